@@ -1,0 +1,60 @@
+"""gpucoll: GPU-aware collective communication for Python.
+
+Semantic versioning applies to the names in ``__all__`` only. Submodules load on first use, so
+``import gpucoll`` stays cheap and never touches CUDA.
+"""
+
+from __future__ import annotations
+
+import importlib
+
+__version__ = "0.1.0"
+
+# public name -> module that defines it
+_EXPORTS = {
+    "GpucollError": "gpucoll.errors",
+    "CollectiveTimeout": "gpucoll.errors",
+    "CollectiveMismatch": "gpucoll.errors",
+    "PeerFailure": "gpucoll.errors",
+    "StoreError": "gpucoll.errors",
+    "StoreTimeout": "gpucoll.errors",
+    "BackendUnavailable": "gpucoll.errors",
+    "ReduceOp": "gpucoll.ops",
+    "TCPStore": "gpucoll.store",
+    "PrefixStore": "gpucoll.store",
+    "Communicator": "gpucoll.communicator",
+    "Work": "gpucoll.work",
+    "init": "gpucoll.default",
+    "is_initialized": "gpucoll.default",
+    "get_default": "gpucoll.default",
+    "get_rank": "gpucoll.default",
+    "get_world_size": "gpucoll.default",
+    "all_reduce": "gpucoll.default",
+    "broadcast": "gpucoll.default",
+    "reduce": "gpucoll.default",
+    "all_gather": "gpucoll.default",
+    "gather": "gpucoll.default",
+    "scatter": "gpucoll.default",
+    "reduce_scatter": "gpucoll.default",
+    "all_to_all": "gpucoll.default",
+    "send": "gpucoll.default",
+    "recv": "gpucoll.default",
+    "barrier": "gpucoll.default",
+    "split": "gpucoll.default",
+    "close": "gpucoll.default",
+}
+
+__all__ = sorted(_EXPORTS) + ["__version__"]
+
+
+def __getattr__(name: str):
+    module = _EXPORTS.get(name)
+    if module is None:
+        raise AttributeError(f"module 'gpucoll' has no attribute {name!r}")
+    value = getattr(importlib.import_module(module), name)
+    globals()[name] = value
+    return value
+
+
+def __dir__() -> list[str]:
+    return __all__

@@ -1,0 +1,5 @@
+import sys
+
+from gpucoll.cli import main
+
+sys.exit(main())

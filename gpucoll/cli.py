@@ -1,0 +1,43 @@
+"""The ``gpucoll`` command: one subcommand per job, each living in the module that does it."""
+
+from __future__ import annotations
+
+import importlib
+import sys
+
+# subcommand -> (module with main(argv) -> int, one-line help)
+COMMANDS = {
+    "run": ("gpucoll.launch.cli", "start N ranks of a script (like torchrun)"),
+    "topo": ("gpucoll.topology.cli", "show the NVLink/PCIe layout of this machine"),
+    "bench": ("gpucoll.bench.cli", "measure collective bandwidth, nccl-tests style"),
+    "info": ("gpucoll.info", "what this machine can do: CuPy, CUDA, NCCL, devices, backend"),
+    "store": ("gpucoll.store.cli", "run a standalone key-value store for multi-node jobs"),
+}
+
+
+def usage() -> str:
+    lines = ["usage: gpucoll COMMAND [ARGS...]", "", "commands:"]
+    lines += [f"  {name:<7} {help_}" for name, (_, help_) in COMMANDS.items()]
+    lines += ["", "`gpucoll COMMAND --help` describes each command."]
+    return "\n".join(lines)
+
+
+def main(argv: list[str] | None = None) -> int:
+    argv = sys.argv[1:] if argv is None else argv
+    if not argv or argv[0] in ("-h", "--help"):
+        print(usage())
+        return 0 if argv else 2
+    if argv[0] in ("-V", "--version"):
+        from gpucoll import __version__
+
+        print(f"gpucoll {__version__}")
+        return 0
+    entry = COMMANDS.get(argv[0])
+    if entry is None:
+        print(f"gpucoll: unknown command {argv[0]!r}\n\n{usage()}", file=sys.stderr)
+        return 2
+    return int(importlib.import_module(entry[0]).main(argv[1:]) or 0)
+
+
+if __name__ == "__main__":
+    sys.exit(main())

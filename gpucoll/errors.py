@@ -1,0 +1,54 @@
+"""The one error hierarchy of gpucoll.
+
+Every message names the operation, this rank and the peer or key involved. The classes are
+picklable (a worker's error travels to its launcher) and reuse the standard exceptions where
+they fit: a deadline passing is also a ``TimeoutError``.
+"""
+
+from __future__ import annotations
+
+
+class GpucollError(Exception):
+    """Base of every error gpucoll raises on its own account."""
+
+
+class CollectiveTimeout(GpucollError, TimeoutError):
+    """A collective, or the start-up of a communicator, did not complete by its deadline."""
+
+
+class PeerFailure(GpucollError):
+    """A named peer vanished (its process died or its connection broke) or aborted."""
+
+    def __init__(self, message: str, peer: int | None = None):
+        super().__init__(message)
+        self.peer = peer
+
+    def __reduce__(self):
+        return (type(self), (str(self), self.peer))
+
+
+class CollectiveMismatch(GpucollError):
+    """Ranks called different collectives, or the same one with different arguments."""
+
+
+class StoreError(GpucollError):
+    """The key-value store refused a request or its connection broke."""
+
+
+class StoreTimeout(StoreError, TimeoutError):
+    """Keys did not appear in the store before the deadline."""
+
+
+class BackendUnavailable(GpucollError):
+    """The requested backend cannot run here (no CuPy, no NCCL, no device, ...)."""
+
+
+__all__ = [
+    "BackendUnavailable",
+    "CollectiveMismatch",
+    "CollectiveTimeout",
+    "GpucollError",
+    "PeerFailure",
+    "StoreError",
+    "StoreTimeout",
+]

@@ -1,0 +1,45 @@
+"""Shared fixtures: a store per test on a free port, and the rule that `gpu` tests need CUDA."""
+
+from __future__ import annotations
+
+import functools
+
+import pytest
+
+
+@functools.cache
+def cuda_available() -> bool:
+    """True when CuPy sees at least one CUDA device (never raises)."""
+    try:
+        import cupy
+
+        return cupy.cuda.runtime.getDeviceCount() > 0
+    except Exception:
+        return False
+
+
+def pytest_collection_modifyitems(config, items):
+    if cuda_available():
+        return
+    skip = pytest.mark.skip(reason="needs a CUDA device; this machine has none")
+    for item in items:
+        if "gpu" in item.keywords:
+            item.add_marker(skip)
+
+
+@pytest.fixture
+def store_server():
+    """A TCPStore server of this test's own on 127.0.0.1, port chosen by the OS."""
+    from gpucoll import TCPStore
+
+    server = TCPStore("127.0.0.1", 0, is_server=True, timeout=30.0)
+    try:
+        yield server
+    finally:
+        server.close()
+
+
+@pytest.fixture
+def store_addr(store_server) -> str:
+    """The address ``tcp://127.0.0.1:PORT`` of this test's store, for ranks to meet at."""
+    return f"tcp://127.0.0.1:{store_server.port}"
