@@ -1,0 +1,7 @@
+"""``python -m gpucoll.launch`` is ``gpucoll run``."""
+
+import sys
+
+from gpucoll.launch.cli import main
+
+sys.exit(main())

@@ -1,0 +1,208 @@
+"""The job's event loop: start the ranks, watch them, and stop them all when one fails.
+
+Rank exits and signals to the launcher arrive on one queue. The first rank to fail is the root
+cause: the others get ``grace`` seconds to end on their own (they usually notice the dead peer
+and print why), then SIGTERM, then after ``grace`` more SIGKILL. A signal to the launcher is
+forwarded to every rank; a second SIGINT kills them at once. ``timeout`` bounds the whole job.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import os
+import queue
+import signal
+import sys
+import time
+
+from gpucoll.launch import report
+from gpucoll.launch.config import LaunchConfig
+from gpucoll.launch.environ import rank_env
+from gpucoll.launch.output import Console, RankOutput
+from gpucoll.launch.procs import Exit, RankProcess
+from gpucoll.launch.signals import Received, signals_to
+
+OUTPUT_DRAIN = 5.0  # seconds to wait for a finished rank's last output
+
+
+@dataclasses.dataclass
+class Deadlines:
+    """Monotonic times at which the loop must act; None when not scheduled."""
+
+    job: float | None = None
+    term: float | None = None
+    kill: float | None = None
+
+    def next(self) -> float | None:
+        due = [t for t in (self.job, self.term, self.kill) if t is not None]
+        return min(due) if due else None
+
+
+class Job:
+    """One node's share of a job: ``nproc`` ranks under supervision."""
+
+    def __init__(self, cfg: LaunchConfig, gpus: list[str], console: Console):
+        self.cfg = cfg
+        self.gpus = gpus
+        self.console = console
+        self.events: queue.SimpleQueue = queue.SimpleQueue()
+        self.ranks: list[RankProcess] = []
+        self.exits: dict[int, Exit] = {}
+        self.sent: dict[int, int] = {}  # rank -> last signal the launcher sent it
+        self.first_failure: Exit | None = None
+        self.interrupt: Received | None = None
+        self.timed_out = False
+        self.deadlines = Deadlines()
+        self.start = 0.0
+
+    # ---- start -------------------------------------------------------------------------
+
+    def launch(self, store: tuple[str, int], token: str, torch_port: int) -> None:
+        """Start every local rank with its environment and output pumps."""
+        if self.cfg.tee:
+            os.makedirs(self.cfg.tee, exist_ok=True)
+        self.start = time.monotonic()
+        if self.cfg.timeout is not None:
+            self.deadlines.job = self.start + self.cfg.timeout
+        argv = self.cfg.command()
+        for local in range(self.cfg.nproc):
+            rank = self.cfg.global_rank(local)
+            log = os.path.join(self.cfg.tee, f"rank-{rank}.log") if self.cfg.tee else None
+            proc = RankProcess(rank, local, RankOutput(rank, self.console, log))
+            self.ranks.append(proc)
+            env = {**os.environ, **rank_env(self.cfg, local, store, token, torch_port,
+                                             self.gpus)}
+            proc.start(argv, env, self.events)
+
+    # ---- supervise ---------------------------------------------------------------------
+
+    def supervise(self) -> int:
+        """Run until every rank has exited; return the launcher's exit status."""
+        with signals_to(self.events):
+            while len(self.exits) < len(self.ranks):
+                self._handle(self._next_event())
+                self._act_on_deadlines()
+        return self._finish()
+
+    def _next_event(self):
+        due = self.deadlines.next()
+        wait = None if due is None else max(0.0, due - time.monotonic())
+        try:
+            return self.events.get(timeout=wait)
+        except queue.Empty:
+            return None
+
+    def _handle(self, event) -> None:
+        if isinstance(event, Exit):
+            self.exits[event.rank] = event
+            if event.returncode != 0 and self._is_failure(event):
+                self.first_failure = event
+                self._schedule_stop(term_after=self.cfg.grace)
+        elif isinstance(event, Received):
+            self._on_signal(event)
+
+    def _is_failure(self, event: Exit) -> bool:
+        # Only the first failure counts, and not an exit the launcher itself caused.
+        return (self.first_failure is None and self.interrupt is None and not self.timed_out
+                and event.rank not in self.sent)
+
+    def _on_signal(self, event: Received) -> None:
+        if (self.interrupt is not None and event.signum == signal.SIGINT
+                and self.interrupt.signum == signal.SIGINT):
+            self._note(f"second {event.name}: killing every rank")
+            self._signal_running(signal.SIGKILL)
+            return
+        if self.interrupt is None:
+            self.interrupt = event
+            self._note(f"received {event.name}: forwarding it to every rank "
+                       f"(Ctrl-C again kills them)")
+        self._signal_running(event.signum)
+        self.deadlines.kill = time.monotonic() + self.cfg.grace
+
+    def _schedule_stop(self, term_after: float) -> None:
+        if self.deadlines.term is None and self.deadlines.kill is None:
+            self.deadlines.term = time.monotonic() + term_after
+
+    def _act_on_deadlines(self) -> None:
+        now = time.monotonic()
+        d = self.deadlines
+        if d.job is not None and now >= d.job:
+            d.job = None
+            if self._running():
+                self.timed_out = True
+                self._note(f"job timed out after {self.cfg.timeout:g} s; stopping ranks "
+                           f"{[p.rank for p in self._running()]}")
+                d.term = now
+        if d.term is not None and now >= d.term:
+            d.term = None
+            self._signal_running(signal.SIGTERM)
+            d.kill = now + self.cfg.grace
+        if d.kill is not None and now >= d.kill:
+            d.kill = None
+            self._signal_running(signal.SIGKILL)
+
+    def _running(self) -> list[RankProcess]:
+        return [p for p in self.ranks if p.rank not in self.exits]
+
+    def _signal_running(self, sig: int) -> None:
+        for proc in self._running():
+            self.sent[proc.rank] = sig
+            proc.signal(sig)
+
+    # ---- finish ------------------------------------------------------------------------
+
+    def cleanup(self) -> None:
+        """Kill whatever is left (ranks and their children) and collect the last output."""
+        for proc in self.ranks:
+            proc.signal(signal.SIGKILL)  # the group: children a rank left behind
+        for proc in self.ranks:
+            if proc.proc is not None:
+                try:
+                    proc.proc.wait(timeout=OUTPUT_DRAIN)
+                except Exception:  # noqa: BLE001 - best effort on the way out
+                    pass
+            proc.output.join(OUTPUT_DRAIN)
+
+    def _finish(self) -> int:
+        self.cleanup()
+        if self.first_failure is not None:
+            self._report_failure(self.first_failure)
+            return report.exit_status(self.first_failure.returncode)
+        if self.timed_out:
+            self._report_timeout()
+            return report.TIMEOUT_EXIT
+        if self.interrupt is not None:
+            return 128 + self.interrupt.signum
+        return 0
+
+    def _report_failure(self, first: Exit) -> None:
+        proc = self.ranks[first.rank - self.cfg.global_rank(0)]
+        others = [self._fate(p) for p in self.ranks if p is not proc]
+        self._note(report.root_cause(
+            first.rank, proc.local_rank, self.cfg.node_rank, proc.pid, first.returncode,
+            first.time - self.start, proc.output.last_stderr(), others), raw=True)
+
+    def _report_timeout(self) -> None:
+        hung = [p for p in self.ranks if p.rank in self.sent]
+        lines = [f"gpucoll run: job timed out after {self.cfg.timeout:g} s (--timeout); "
+                 f"ranks still running then were stopped:"]
+        for p in hung:
+            lines.append(f"  {self._fate(p)}")
+            lines += [f"      {line}" for line in p.output.last_stderr()[-5:]]
+        self._note("\n".join(lines), raw=True)
+
+    def _fate(self, proc: RankProcess) -> str:
+        ended = self.exits.get(proc.rank)
+        how = report.describe(ended.returncode) if ended else "did not exit"
+        if proc.rank in self.sent:
+            return (f"rank {proc.rank}: stopped by the launcher "
+                    f"({signal.Signals(self.sent[proc.rank]).name}), {how}")
+        return f"rank {proc.rank}: {how}"
+
+    def _note(self, text: str, raw: bool = False) -> None:
+        msg = text if raw else f"gpucoll run: {text}"
+        self.console.write("stderr", (msg + "\n").encode())
+
+
+def console() -> Console:
+    return Console(sys.stdout.buffer, sys.stderr.buffer)
