@@ -1,0 +1,222 @@
+"""``TCPStore``: the key-value store every rank meets at (torch's TCPStore API, plus deadlines).
+
+The rank that hosts the store (``is_server=True``) runs the server in a background thread and
+is also an ordinary client of it. ``set`` and ``multi_set`` are fire-and-forget: they return
+once the request is written, and the server applies a connection's requests in order, so any
+later call through the same store object sees them. Every other call waits for its reply, and
+every wait has a deadline: the call's ``timeout=`` or else the store's.
+"""
+
+from __future__ import annotations
+
+import time
+from collections.abc import Sequence
+
+from gpucoll.errors import StoreError, StoreTimeout
+from gpucoll.store.connection import Connection
+from gpucoll.store.protocol import DEFAULT_MAX_VALUE_BYTES, Op, Status, pack_timeout
+from gpucoll.store.server import StoreServer, env_token
+
+_WILDCARDS = {"", "0.0.0.0", "::", "*"}
+# how long past a blocking call's own timeout to wait for the server's timeout reply
+_REPLY_GRACE = 5.0
+
+
+class TCPStore:
+    """A client of the store at ``host:port``; with ``is_server=True`` also its server.
+
+    ``port=0`` (server only) picks a free port, reported as ``.port``. ``token`` (default:
+    GPUCOLL_STORE_TOKEN) must match the server's. ``timeout`` bounds connecting and is the
+    default deadline of every call. Safe to use from several threads at once.
+    """
+
+    def __init__(self, host: str, port: int, *, is_server: bool = False,
+                 timeout: float = 300.0, token: str | None = None,
+                 max_value_bytes: int = DEFAULT_MAX_VALUE_BYTES):
+        _check_timeout(timeout, "timeout")
+        if not isinstance(port, int) or not 0 <= port < 65536:
+            raise ValueError(f"TCPStore: port must be an int in [0, 65535], got {port!r}")
+        if port == 0 and not is_server:
+            raise ValueError("TCPStore: a client needs the server's port, got port=0")
+        if not isinstance(max_value_bytes, int) or max_value_bytes < 1 or \
+                max_value_bytes > (1 << 32) - (1 << 21):
+            raise ValueError(f"TCPStore: max_value_bytes must be in [1, 4 GiB - 2 MiB], "
+                             f"got {max_value_bytes!r}")
+        token = token if token is not None else env_token()
+        self.host, self.port, self.timeout = host, port, float(timeout)
+        self._server: StoreServer | None = None
+        self._closed = False
+        if is_server:
+            self._server = StoreServer(host, port, token=token, max_value_bytes=max_value_bytes)
+            self.port = self._server.port
+        target = "127.0.0.1" if is_server and host in _WILDCARDS else host
+        try:
+            self._conn = Connection(target, self.port, token, self.timeout)
+        except BaseException:
+            if self._server is not None:
+                self._server.close()
+            raise
+
+    @property
+    def is_server(self) -> bool:
+        return self._server is not None
+
+    @property
+    def max_value_bytes(self) -> int:
+        """The server's value-size limit, learnt when connecting."""
+        return self._conn.max_value_bytes
+
+    def __repr__(self) -> str:
+        role = "server" if self._server else "client"
+        return f"TCPStore({self.host!r}, {self.port}, {role}{', closed' if self._closed else ''})"
+
+    def __enter__(self) -> TCPStore:
+        return self
+
+    def __exit__(self, *exc) -> None:
+        self.close()
+
+    # ----------------------------------------------------------------- writes
+    def set(self, key: str, value: bytes | str) -> None:
+        """Store ``value`` under ``key`` (fire-and-forget; see the module docstring)."""
+        args = [_key(key), self._value(value, "set")]
+        self._conn.post(Op.SET, args, self._deadline(None), f"set({key!r})")
+
+    def multi_set(self, keys: Sequence[str], values: Sequence[bytes | str]) -> None:
+        """Set several keys in one request (fire-and-forget, applied in order)."""
+        ks = _keys(keys, "multi_set")
+        if isinstance(values, (str, bytes)) or len(values) != len(ks):
+            raise ValueError(f"multi_set: {len(ks)} keys need as many values, got "
+                             f"{len(values) if not isinstance(values, (str, bytes)) else 1}")
+        vs = [self._value(v, "multi_set") for v in values]
+        if ks:
+            self._conn.post(Op.MULTI_SET, ks + vs, self._deadline(None), "multi_set")
+
+    def add(self, key: str, amount: int) -> int:
+        """Atomically add ``amount`` to the integer at ``key`` (0 if unset); the new value."""
+        if not isinstance(amount, int) or isinstance(amount, bool):
+            raise TypeError(f"add({key!r}): amount must be an int, got "
+                            f"{type(amount).__name__}")
+        args = [_key(key), str(amount).encode()]
+        return int(self._call(Op.ADD, args, None, f"add({key!r})")[0])
+
+    def compare_set(self, key: str, expected: bytes | str, desired: bytes | str) -> bytes:
+        """Atomically set ``desired`` if ``key`` holds ``expected`` (or is unset and
+        ``expected`` is empty); returns the value ``key`` holds afterwards."""
+        what = f"compare_set({key!r})"
+        args = [_key(key), _bytes(expected, what), self._value(desired, what)]
+        return self._call(Op.COMPARE_SET, args, None, what)[0]
+
+    def delete_key(self, key: str) -> bool:
+        """Remove ``key``; True if it was there."""
+        return self._call(Op.DELETE, [_key(key)], None, f"delete_key({key!r})")[0] == b"1"
+
+    # ----------------------------------------------------------------- reads
+    def get(self, key: str, timeout: float | None = None) -> bytes:
+        """The value of ``key``, waiting (server-side) until it is set or the deadline."""
+        return self._blocking(Op.GET, [_key(key)], timeout, f"get({key!r})")[0]
+
+    def multi_get(self, keys: Sequence[str], timeout: float | None = None) -> list[bytes]:
+        """The values of ``keys`` in order, waiting until all are set or the deadline."""
+        ks = _keys(keys, "multi_get")
+        return self._blocking(Op.MULTI_GET, ks, timeout, "multi_get") if ks else []
+
+    def wait(self, keys: Sequence[str], timeout: float | None = None) -> None:
+        """Block until every key in ``keys`` is set; StoreTimeout names those still missing."""
+        ks = _keys(keys, "wait")
+        if ks:
+            self._blocking(Op.WAIT, ks, timeout, "wait")
+
+    def check(self, keys: Sequence[str]) -> bool:
+        """True if every key in ``keys`` is set (never waits for them)."""
+        return self._call(Op.CHECK, _keys(keys, "check"), None, "check")[0] == b"1"
+
+    def num_keys(self) -> int:
+        """How many keys the store holds (all namespaces)."""
+        return int(self._call(Op.NUM_KEYS, [], None, "num_keys")[0])
+
+    def close(self) -> None:
+        """Close the connection and, on the hosting rank, stop the server. Idempotent."""
+        if self._closed:
+            return
+        self._closed = True
+        self._conn.close()
+        if self._server is not None:
+            self._server.close()
+
+    # ----------------------------------------------------------------- internals
+    def _deadline(self, timeout: float | None) -> float:
+        return time.monotonic() + (self.timeout if timeout is None else timeout)
+
+    def _value(self, value: bytes | str, what: str) -> bytes:
+        data = _bytes(value, what)
+        if len(data) > self._conn.max_value_bytes:
+            raise ValueError(f"{what}: value of {len(data)} bytes exceeds the store's limit "
+                             f"of {self._conn.max_value_bytes} bytes")
+        return data
+
+    def _call(self, op: int, args: list[bytes], timeout: float | None,
+              what: str) -> list[bytes]:
+        status, reply = self._conn.request(op, args, self._deadline(timeout), what)
+        if status != Status.OK:
+            raise StoreError(f"{what}: store at {self._conn.address} refused: "
+                             f"{reply[0].decode('utf-8', 'replace') if reply else '?'}")
+        return reply
+
+    def _blocking(self, op: int, keys: list[bytes], timeout: float | None,
+                  what: str) -> list[bytes]:
+        """A request the server parks until ``keys`` exist; the server times it out."""
+        if timeout is not None:
+            _check_timeout(timeout, "timeout")
+        limit = self.timeout if timeout is None else float(timeout)
+        start = time.monotonic()
+        args = [pack_timeout(limit), *keys]
+        deadline = start + limit + _REPLY_GRACE
+        status, reply = self._conn.request(op, args, deadline, what)
+        if status == Status.TIMEOUT:
+            missing = [k.decode("utf-8", "replace") for k in reply]
+            shown = missing if len(missing) <= 8 else missing[:8] + [f"... {len(missing) - 8} more"]
+            raise StoreTimeout(f"{what}: key(s) {shown} not set in store at "
+                               f"{self._conn.address} after {time.monotonic() - start:.2f} s "
+                               f"(timeout {limit:g} s)")
+        if status != Status.OK:
+            raise StoreError(f"{what}: store at {self._conn.address} refused: "
+                             f"{reply[0].decode('utf-8', 'replace') if reply else '?'}")
+        return reply
+
+
+def _check_timeout(timeout: float, name: str) -> None:
+    if isinstance(timeout, bool) or not isinstance(timeout, (int, float)) or not timeout >= 0:
+        raise ValueError(f"TCPStore: {name} must be a number of seconds >= 0, got {timeout!r}")
+
+
+def _key(key: str) -> bytes:
+    if not isinstance(key, str):
+        raise TypeError(f"store keys are str, got {type(key).__name__} {key!r}")
+    return key.encode()
+
+
+def _keys(keys: Sequence[str], what: str) -> list[bytes]:
+    if isinstance(keys, (str, bytes)):
+        raise TypeError(f"{what}: keys must be a list of str, not a single {type(keys).__name__}")
+    return [_key(k) for k in keys]
+
+
+def _bytes(value: bytes | str, what: str) -> bytes:
+    if isinstance(value, str):
+        return value.encode()
+    if isinstance(value, (bytes, bytearray, memoryview)):
+        return bytes(value)
+    raise TypeError(f"{what}: values are bytes or str, got {type(value).__name__}")
+
+
+def parse_address(address: str) -> tuple[str, int]:
+    """``"tcp://host:port"`` (or ``host:port``; IPv6 as ``[::1]:port``) -> (host, port)."""
+    rest = address[len("tcp://"):] if address.startswith("tcp://") else address
+    host, sep, port = rest.rpartition(":")
+    if not sep or not host or not port.isdigit() or not 0 < int(port) < 65536:
+        raise ValueError(f"store address must look like tcp://HOST:PORT, got {address!r}")
+    return host.strip("[]"), int(port)
+
+
+__all__ = ["TCPStore", "StoreTimeout", "parse_address"]

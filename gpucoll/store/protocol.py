@@ -1,0 +1,166 @@
+"""The store's wire format: length-prefixed frames shared by the server and the client.
+
+A frame is a 13-byte header ``<IBII`` (payload bytes, op or status code, request id, argument
+count) followed by the payload: ``argc`` little-endian u32 lengths, then the arguments' bytes
+back to back. Requests and replies use the same framing, so one reader serves both ends.
+Request id 0 asks for no reply on success (``set`` is fire-and-forget, as in torch's store);
+replies carry the id of their request, so several threads can share one connection.
+"""
+
+from __future__ import annotations
+
+import enum
+import socket
+import struct
+from collections.abc import Sequence
+from typing import NamedTuple
+
+VERSION = b"gpucoll-store/1"
+HEADER = struct.Struct("<IBII")
+HEADER_SIZE = HEADER.size
+NO_REPLY = 0
+DEFAULT_MAX_VALUE_BYTES = 256 << 20
+# room for keys and lengths beside the largest value in one frame
+FRAME_SLACK = 1 << 20
+# before the token is checked a peer may send only this much (a hello is tiny)
+HELLO_LIMIT = 64 << 10
+_RECV_CHUNK = 256 << 10
+# payloads at least this large are read straight into their own buffer, without copies
+_BIG_PAYLOAD = 1 << 20
+# arguments joined into one buffer below this total; above it they are sent as a list
+_JOIN_BELOW = 256 << 10
+
+
+class Op(enum.IntEnum):
+    HELLO = 1
+    SET = 2
+    GET = 3
+    ADD = 4
+    COMPARE_SET = 5
+    WAIT = 6
+    CHECK = 7
+    DELETE = 8
+    NUM_KEYS = 9
+    MULTI_GET = 10
+    MULTI_SET = 11
+
+
+class Status(enum.IntEnum):
+    OK = 0
+    ERROR = 1
+    TIMEOUT = 2
+
+
+class FrameError(ValueError):
+    """A frame that breaks the format; ``fatal`` when the stream cannot be resynchronised."""
+
+    def __init__(self, message: str, rid: int = NO_REPLY, fatal: bool = True):
+        super().__init__(message)
+        self.rid = rid
+        self.fatal = fatal
+
+
+class Frame(NamedTuple):
+    code: int
+    rid: int
+    argc: int
+    payload: bytes | bytearray
+
+
+def encode(code: int, rid: int, args: Sequence[bytes]) -> list[bytes]:
+    """Frame ``args``; small frames come back as one buffer, large ones as a list to send."""
+    lengths = [len(a) for a in args]
+    head = HEADER.pack(4 * len(args) + sum(lengths), code, rid, len(args))
+    head += struct.pack(f"<{len(args)}I", *lengths)
+    if sum(lengths) < _JOIN_BELOW or len(args) > 64:
+        return [b"".join((head, *args))]
+    return [head, *args]
+
+
+def decode_args(frame: Frame) -> list[bytes]:
+    """Split a frame's payload into its arguments; FrameError when lengths do not add up."""
+    payload, argc = frame.payload, frame.argc
+    table = 4 * argc
+    if table > len(payload):
+        raise FrameError(f"frame claims {argc} arguments in {len(payload)} bytes",
+                         frame.rid, fatal=False)
+    lengths = struct.unpack_from(f"<{argc}I", payload, 0)
+    if table + sum(lengths) != len(payload):
+        raise FrameError(f"argument lengths add up to {sum(lengths)} bytes, frame holds "
+                         f"{len(payload) - table}", frame.rid, fatal=False)
+    out = []
+    off = table
+    with memoryview(payload) as view:
+        for n in lengths:
+            out.append(bytes(view[off:off + n]))
+            off += n
+    return out
+
+
+def pack_timeout(seconds: float) -> bytes:
+    return struct.pack("<d", seconds)
+
+
+def unpack_timeout(raw: bytes) -> float:
+    if len(raw) != 8:
+        raise FrameError("timeout argument must be 8 bytes", fatal=False)
+    return struct.unpack("<d", raw)[0]
+
+
+class FrameReader:
+    """Accumulates bytes from a socket and cuts them into frames no larger than ``limit``."""
+
+    def __init__(self, limit: int):
+        self.limit = limit
+        self._buf = bytearray()
+        self._big: bytearray | None = None
+        self._fill = 0
+        self._head: tuple[int, int, int] = (0, 0, 0)
+
+    def read_from(self, sock: socket.socket) -> list[Frame] | None:
+        """One ``recv``; the frames it completed, or None when the peer closed the stream."""
+        if self._big is not None:
+            return self._fill_big(sock)
+        data = sock.recv(_RECV_CHUNK)
+        if not data:
+            return None
+        if self._buf:
+            self._buf += data
+            data = self._buf
+        frames, pos = self._parse(data)
+        self._buf = bytearray(data[pos:]) if pos < len(data) else bytearray()
+        return frames
+
+    def _parse(self, data: bytes | bytearray) -> tuple[list[Frame], int]:
+        frames: list[Frame] = []
+        pos, n = 0, len(data)
+        while n - pos >= HEADER_SIZE:
+            plen, code, rid, argc = HEADER.unpack_from(data, pos)
+            if plen > self.limit:
+                raise FrameError(f"frame of {plen} bytes exceeds the limit of {self.limit}", rid)
+            end = pos + HEADER_SIZE + plen
+            if end > n:
+                if plen >= _BIG_PAYLOAD:
+                    self._start_big(plen, code, rid, argc, data, pos + HEADER_SIZE)
+                    pos = n
+                break
+            frames.append(Frame(code, rid, argc, bytes(data[pos + HEADER_SIZE:end])))
+            pos = end
+        return frames, pos
+
+    def _start_big(self, plen: int, code: int, rid: int, argc: int, data, start: int) -> None:
+        self._big = bytearray(plen)
+        self._fill = len(data) - start
+        self._big[:self._fill] = data[start:]
+        self._head = (code, rid, argc)
+
+    def _fill_big(self, sock: socket.socket) -> list[Frame] | None:
+        with memoryview(self._big) as view:
+            n = sock.recv_into(view[self._fill:])
+        if n == 0:
+            return None
+        self._fill += n
+        if self._fill < len(self._big):
+            return []
+        payload, self._big = self._big, None
+        return [Frame(*self._head, payload)]

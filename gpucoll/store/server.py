@@ -1,0 +1,439 @@
+"""The store server: one selector loop in a daemon thread, serving every client at once.
+
+No thread per client: a blocking ``get``/``wait`` parks its request server-side until the keys
+are set or its deadline passes, so thousands of waiting ranks cost one small record each.
+A client that sends garbage gets an error reply or loses its connection; nobody else notices.
+"""
+
+from __future__ import annotations
+
+import collections
+import heapq
+import hmac
+import itertools
+import logging
+import os
+import resource
+import selectors
+import socket
+import threading
+import time
+
+from gpucoll.errors import StoreError
+from gpucoll.store.protocol import (
+    DEFAULT_MAX_VALUE_BYTES,
+    FRAME_SLACK,
+    HELLO_LIMIT,
+    NO_REPLY,
+    VERSION,
+    Frame,
+    FrameError,
+    FrameReader,
+    Op,
+    Status,
+    decode_args,
+    encode,
+    unpack_timeout,
+)
+
+log = logging.getLogger("gpucoll.store")
+
+
+def raise_fd_limit() -> int:
+    """Lift the soft open-files limit to the hard one (a store may hold thousands of sockets)."""
+    soft, hard = resource.getrlimit(resource.RLIMIT_NOFILE)
+    want = hard if hard != resource.RLIM_INFINITY else max(soft, 1 << 16)
+    if soft != resource.RLIM_INFINITY and soft < want:
+        try:
+            resource.setrlimit(resource.RLIMIT_NOFILE, (want, hard))
+            return want
+        except (ValueError, OSError):
+            pass
+    return soft
+
+
+class _Conn:
+    __slots__ = ("sock", "peer", "reader", "out", "authed", "closing", "closed", "waiters")
+
+    def __init__(self, sock: socket.socket, peer: str):
+        self.sock = sock
+        self.peer = peer
+        self.reader = FrameReader(HELLO_LIMIT)
+        self.out: collections.deque[memoryview] = collections.deque()
+        self.authed = False
+        self.closing = False
+        self.closed = False
+        self.waiters: set[_Waiter] = set()
+
+
+class _Waiter:
+    """A parked get/multi_get/wait: done when every key in ``keys`` is present."""
+
+    __slots__ = ("conn", "rid", "op", "keys", "pos", "deadline", "done")
+
+    def __init__(self, conn: _Conn, rid: int, op: int, keys: list[bytes], deadline: float):
+        self.conn, self.rid, self.op, self.keys = conn, rid, op, keys
+        self.pos = 0
+        self.deadline = deadline
+        self.done = False
+
+
+class StoreServer:
+    """Serves the store on ``host:port`` (0 picks a free port) from a background thread."""
+
+    def __init__(self, host: str, port: int, *, token: str | None = None,
+                 max_value_bytes: int = DEFAULT_MAX_VALUE_BYTES):
+        self.max_value_bytes = int(max_value_bytes)
+        self._token = (token or "").encode()
+        self._data: dict[bytes, bytes] = {}
+        self._parked: dict[bytes, list[_Waiter]] = {}
+        self._timers: list[tuple[float, int, _Waiter]] = []
+        self._seq = itertools.count()
+        self._conns: set[_Conn] = set()
+        self._stop = False
+        raise_fd_limit()
+        self._listener = _listen(host, port)
+        self.host = host
+        self.port = self._listener.getsockname()[1]
+        self._wake_r, self._wake_w = socket.socketpair()
+        self._sel = selectors.DefaultSelector()
+        self._sel.register(self._listener, selectors.EVENT_READ, None)
+        self._sel.register(self._wake_r, selectors.EVENT_READ, None)
+        self._handlers = {
+            Op.SET: self._op_set, Op.MULTI_SET: self._op_multi_set, Op.GET: self._op_park,
+            Op.MULTI_GET: self._op_park, Op.WAIT: self._op_park, Op.ADD: self._op_add,
+            Op.COMPARE_SET: self._op_compare_set, Op.CHECK: self._op_check,
+            Op.DELETE: self._op_delete, Op.NUM_KEYS: self._op_num_keys,
+        }
+        self._thread = threading.Thread(target=self._run, name=f"gpucoll-store:{self.port}",
+                                        daemon=True)
+        self._thread.start()
+
+    def close(self, timeout: float = 10.0) -> None:
+        """Stop the loop, drop every connection and join the thread."""
+        if self._stop:
+            return
+        self._stop = True
+        try:
+            self._wake_w.send(b"x")
+        except OSError:
+            pass
+        self._thread.join(timeout)
+        self._wake_w.close()
+
+    def serve_forever(self) -> None:
+        """Block the calling thread until the server stops (the standalone command)."""
+        self._thread.join()
+
+    # ----------------------------------------------------------------- loop
+    def _run(self) -> None:
+        try:
+            while not self._stop:
+                for key, mask in self._sel.select(self._next_timeout()):
+                    self._dispatch(key, mask)
+                self._expire(time.monotonic())
+        except Exception:  # noqa: BLE001 - the loop must report, then stop cleanly
+            log.exception("store server on port %d stopped by an internal error", self.port)
+        finally:
+            self._shutdown()
+
+    def _dispatch(self, key: selectors.SelectorKey, mask: int) -> None:
+        if key.fileobj is self._listener:
+            self._accept()
+        elif key.fileobj is self._wake_r:
+            self._wake_r.recv(64)
+        else:
+            conn = key.data
+            try:
+                if mask & selectors.EVENT_WRITE:
+                    self._flush(conn)
+                if mask & selectors.EVENT_READ and not conn.closed:
+                    self._on_readable(conn)
+            except Exception as exc:  # noqa: BLE001 - one client's failure stays its own
+                log.debug("dropping store client %s: %r", conn.peer, exc)
+                self._drop(conn)
+
+    def _next_timeout(self) -> float | None:
+        while self._timers and self._timers[0][2].done:
+            heapq.heappop(self._timers)
+        if not self._timers:
+            return None
+        return max(0.0, self._timers[0][0] - time.monotonic())
+
+    def _shutdown(self) -> None:
+        for conn in list(self._conns):
+            self._drop(conn)
+        self._sel.close()
+        self._listener.close()
+        self._wake_r.close()
+
+    # ----------------------------------------------------------------- connections
+    def _accept(self) -> None:
+        for _ in range(64):
+            try:
+                sock, addr = self._listener.accept()
+            except (BlockingIOError, InterruptedError):
+                return
+            except OSError as exc:  # e.g. out of file descriptors: keep serving the others
+                log.warning("store server could not accept a connection: %s", exc)
+                return
+            sock.setblocking(False)
+            sock.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
+            conn = _Conn(sock, f"{addr[0]}:{addr[1]}")
+            self._conns.add(conn)
+            self._sel.register(sock, selectors.EVENT_READ, conn)
+
+    def _drop(self, conn: _Conn) -> None:
+        if conn.closed:
+            return
+        conn.closed = True
+        for w in conn.waiters:
+            w.done = True
+        conn.waiters.clear()
+        self._conns.discard(conn)
+        try:
+            self._sel.unregister(conn.sock)
+        except (KeyError, ValueError):
+            pass
+        conn.sock.close()
+
+    def _on_readable(self, conn: _Conn) -> None:
+        try:
+            frames = conn.reader.read_from(conn.sock)
+        except (BlockingIOError, InterruptedError):
+            return
+        except FrameError as exc:
+            self._fail(conn, exc.rid, str(exc), close=True)
+            return
+        if frames is None:
+            self._drop(conn)
+            return
+        for frame in frames:
+            if conn.closing or conn.closed:
+                return
+            self._handle(conn, frame)
+
+    def _handle(self, conn: _Conn, frame: Frame) -> None:
+        try:
+            args = decode_args(frame)
+            if not conn.authed:
+                self._hello(conn, frame, args)
+                return
+            handler = self._handlers.get(frame.code)
+            if handler is None:
+                raise FrameError(f"unknown operation code {frame.code}", frame.rid, fatal=False)
+            handler(conn, frame, args)
+        except FrameError as exc:
+            # a request without a reply slot cannot be told it failed: close instead
+            close = exc.fatal or frame.rid == NO_REPLY or not conn.authed
+            self._fail(conn, frame.rid, str(exc), close=close)
+
+    def _hello(self, conn: _Conn, frame: Frame, args: list[bytes]) -> None:
+        if frame.code != Op.HELLO or len(args) != 2:
+            raise FrameError("the first request must be a hello", frame.rid)
+        if args[0] != VERSION:
+            raise FrameError(f"protocol {args[0][:40]!r} is not {VERSION!r}", frame.rid)
+        if self._token and not hmac.compare_digest(args[1], self._token):
+            raise FrameError("wrong or missing store token", frame.rid)
+        conn.authed = True
+        conn.reader.limit = self.max_value_bytes + FRAME_SLACK
+        self._reply(conn, Status.OK, frame.rid, [str(self.max_value_bytes).encode()])
+
+    # ----------------------------------------------------------------- replies
+    def _fail(self, conn: _Conn, rid: int, message: str, close: bool) -> None:
+        log.debug("store client %s: %s", conn.peer, message)
+        self._reply(conn, Status.ERROR, rid, [message.encode()], force=True)
+        if close:
+            conn.closing = True
+            if not conn.out:
+                self._drop(conn)
+
+    def _reply(self, conn: _Conn, status: int, rid: int, args: list[bytes],
+               force: bool = False) -> None:
+        if conn.closed or (rid == NO_REPLY and not force):
+            return
+        bufs = encode(status, rid, args)
+        if conn.out:
+            conn.out.extend(memoryview(b) for b in bufs)
+            return
+        try:
+            sent = conn.sock.sendmsg(bufs)
+        except (BlockingIOError, InterruptedError):
+            sent = 0
+        except OSError:
+            self._drop(conn)
+            return
+        total = sum(len(b) for b in bufs)
+        if sent == total:
+            return
+        for b in bufs:
+            if sent >= len(b):
+                sent -= len(b)
+                continue
+            conn.out.append(memoryview(b)[sent:])
+            sent = 0
+        self._sel.modify(conn.sock, selectors.EVENT_READ | selectors.EVENT_WRITE, conn)
+
+    def _flush(self, conn: _Conn) -> None:
+        while conn.out:
+            try:
+                sent = conn.sock.sendmsg(list(itertools.islice(conn.out, 512)))
+            except (BlockingIOError, InterruptedError):
+                return
+            while sent and conn.out:
+                head = conn.out[0]
+                if sent >= len(head):
+                    sent -= len(head)
+                    conn.out.popleft()
+                else:
+                    conn.out[0] = head[sent:]
+                    sent = 0
+        if conn.closing:
+            self._drop(conn)
+        else:
+            self._sel.modify(conn.sock, selectors.EVENT_READ, conn)
+
+    # ----------------------------------------------------------------- operations
+    def _check_value(self, value: bytes, rid: int) -> None:
+        if len(value) > self.max_value_bytes:
+            raise FrameError(f"value of {len(value)} bytes exceeds the store's limit of "
+                             f"{self.max_value_bytes} bytes", rid, fatal=False)
+
+    def _put(self, key: bytes, value: bytes) -> None:
+        self._data[key] = value
+        waiters = self._parked.pop(key, None)
+        if waiters:
+            for w in waiters:
+                if not w.done:
+                    self._advance(w)
+
+    def _op_set(self, conn: _Conn, frame: Frame, args: list[bytes]) -> None:
+        _expect_args(frame, args, 2)
+        self._check_value(args[1], frame.rid)
+        self._put(args[0], args[1])
+        self._reply(conn, Status.OK, frame.rid, [])
+
+    def _op_multi_set(self, conn: _Conn, frame: Frame, args: list[bytes]) -> None:
+        if len(args) % 2:
+            raise FrameError("multi_set needs as many values as keys", frame.rid, fatal=False)
+        half = len(args) // 2
+        for value in args[half:]:
+            self._check_value(value, frame.rid)
+        for key, value in zip(args[:half], args[half:], strict=True):
+            self._put(key, value)
+        self._reply(conn, Status.OK, frame.rid, [])
+
+    def _op_add(self, conn: _Conn, frame: Frame, args: list[bytes]) -> None:
+        _expect_args(frame, args, 2)
+        try:
+            total = int(self._data.get(args[0], b"0")) + int(args[1])
+        except ValueError:
+            raise FrameError(f"add: key {_show(args[0])} does not hold an integer",
+                             frame.rid, fatal=False) from None
+        value = str(total).encode()
+        self._put(args[0], value)
+        self._reply(conn, Status.OK, frame.rid, [value])
+
+    def _op_compare_set(self, conn: _Conn, frame: Frame, args: list[bytes]) -> None:
+        _expect_args(frame, args, 3)
+        key, expected, desired = args
+        self._check_value(desired, frame.rid)
+        current = self._data.get(key)
+        if current is None and expected:
+            result = expected
+        elif current is None or current == expected:
+            self._put(key, desired)
+            result = desired
+        else:
+            result = current
+        self._reply(conn, Status.OK, frame.rid, [result])
+
+    def _op_check(self, conn: _Conn, frame: Frame, args: list[bytes]) -> None:
+        present = all(k in self._data for k in args)
+        self._reply(conn, Status.OK, frame.rid, [b"1" if present else b"0"])
+
+    def _op_delete(self, conn: _Conn, frame: Frame, args: list[bytes]) -> None:
+        _expect_args(frame, args, 1)
+        found = self._data.pop(args[0], None) is not None
+        self._reply(conn, Status.OK, frame.rid, [b"1" if found else b"0"])
+
+    def _op_num_keys(self, conn: _Conn, frame: Frame, args: list[bytes]) -> None:
+        self._reply(conn, Status.OK, frame.rid, [str(len(self._data)).encode()])
+
+    # ----------------------------------------------------------------- parked requests
+    def _op_park(self, conn: _Conn, frame: Frame, args: list[bytes]) -> None:
+        if not args or (frame.code == Op.GET and len(args) != 2):
+            raise FrameError("a blocking request needs a timeout and its keys", frame.rid,
+                             fatal=False)
+        timeout = unpack_timeout(args[0])
+        w = _Waiter(conn, frame.rid, frame.code, args[1:], time.monotonic() + timeout)
+        if not self._advance(w):
+            conn.waiters.add(w)
+            heapq.heappush(self._timers, (w.deadline, next(self._seq), w))
+
+    def _advance(self, w: _Waiter) -> bool:
+        """Move ``w`` past the keys now present; reply if none is missing (True), else park."""
+        data, keys = self._data, w.keys
+        i, n = w.pos, len(keys)
+        while True:
+            while i < n and keys[i] in data:
+                i += 1
+            if i < n:
+                w.pos = i
+                self._parked.setdefault(keys[i], []).append(w)
+                return False
+            if w.op == Op.WAIT:
+                self._finish(w, Status.OK, [])
+                return True
+            values = [data.get(k) for k in keys]
+            if None not in values:  # a key deleted since it was passed: look again
+                self._finish(w, Status.OK, values)
+                return True
+            i = values.index(None)
+
+    def _finish(self, w: _Waiter, status: int, args: list[bytes]) -> None:
+        w.done = True
+        w.conn.waiters.discard(w)
+        self._reply(w.conn, status, w.rid, args)
+
+    def _expire(self, now: float) -> None:
+        timers = self._timers
+        while timers and (timers[0][2].done or timers[0][0] <= now):
+            w = heapq.heappop(timers)[2]
+            if not w.done:
+                missing = [k for k in w.keys[w.pos:] if k not in self._data]
+                self._finish(w, Status.TIMEOUT, missing)
+
+
+def _expect_args(frame: Frame, args: list[bytes], n: int) -> None:
+    if len(args) != n:
+        raise FrameError(f"operation {frame.code} takes {n} arguments, got {len(args)}",
+                         frame.rid, fatal=False)
+
+
+def _show(key: bytes) -> str:
+    return repr(key.decode("utf-8", "replace"))
+
+
+def _listen(host: str, port: int) -> socket.socket:
+    """A non-blocking listening socket; IPv6 literals and names resolve through getaddrinfo."""
+    infos = socket.getaddrinfo(host or None, port, type=socket.SOCK_STREAM,
+                               flags=socket.AI_PASSIVE)
+    last: OSError | None = None
+    for family, kind, proto, _, addr in infos:
+        sock = socket.socket(family, kind, proto)
+        try:
+            sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
+            sock.bind(addr)
+            sock.listen(4096)
+            sock.setblocking(False)
+            return sock
+        except OSError as exc:
+            sock.close()
+            last = exc
+    raise StoreError(f"cannot serve a store on {host}:{port}: {last}")
+
+
+def env_token() -> str | None:
+    """The shared token from GPUCOLL_STORE_TOKEN, or None when unset or empty."""
+    return os.environ.get("GPUCOLL_STORE_TOKEN") or None
