@@ -1,0 +1,189 @@
+"""What the communicator hands a backend: ``ArrayRef``, a flat view of the caller's array.
+
+``as_ref(obj, name)`` asks each registered adapter, highest priority first, whether it knows the
+object; the host adapter (``arrays/host.py``: NumPy, the buffer protocol, ``__array_interface__``,
+CPU DLPack) is always there, device adapters (``arrays/device.py``) register when that module is
+first imported, which ``as_ref`` does lazily for anything that is not a NumPy array.
+"""
+
+from __future__ import annotations
+
+import abc
+import dataclasses
+import importlib
+import importlib.util
+from typing import Any, ClassVar
+
+import numpy as np
+
+# Every dtype the collectives accept, by NumPy name (bfloat16 is ml_dtypes').
+SUPPORTED_DTYPES = (
+    "bool", "int8", "int16", "int32", "int64", "uint8", "uint16", "uint32", "uint64",
+    "float16", "bfloat16", "float32", "float64", "complex64", "complex128",
+)
+_SUPPORTED = frozenset(SUPPORTED_DTYPES)
+
+
+@dataclasses.dataclass(frozen=True, slots=True)
+class ArrayRef:
+    """A C-contiguous buffer: the caller's object and where its elements live.
+
+    ``host`` is a flat NumPy view for host memory (None for device memory); ``device`` the CUDA
+    device ordinal; ``stream`` the producer stream a ``__cuda_array_interface__`` v3 object names.
+    """
+
+    array: Any
+    kind: str
+    ptr: int
+    shape: tuple[int, ...]
+    dtype: np.dtype
+    count: int
+    nbytes: int
+    host: np.ndarray | None = None
+    device: int | None = None
+    stream: int | None = None
+
+    @property
+    def writable(self) -> bool:
+        """False for read-only host memory (bytes, read-only NumPy views)."""
+        return self.host is None or self.host.flags.writeable
+
+
+class Adapter(abc.ABC):
+    """Turns one family of array objects into ``ArrayRef`` and allocates more of them."""
+
+    kind: ClassVar[str]
+
+    @abc.abstractmethod
+    def claims(self, obj: Any) -> bool:
+        """Cheap test: is ``obj`` an array of this family?"""
+
+    @abc.abstractmethod
+    def ref(self, obj: Any, name: str, *, copy: bool) -> ArrayRef:
+        """A reference to ``obj``'s elements; a non-contiguous ``obj`` is copied when ``copy``,
+        else ValueError naming ``name``."""
+
+    @abc.abstractmethod
+    def empty(self, ref: ArrayRef, shape: tuple[int, ...]) -> Any:
+        """A new, uninitialised array like ``ref``'s (same library, dtype and device)."""
+
+    @abc.abstractmethod
+    def new(self, shape: tuple[int, ...], dtype: np.dtype) -> Any:
+        """A new, uninitialised array of this family's default library (device: the current
+        device), for a rank that has no array to imitate (scatter's non-roots)."""
+
+    @abc.abstractmethod
+    def view(self, ref: ArrayRef, start: int, count: int) -> ArrayRef:
+        """Elements ``start:start+count`` of ``ref`` as a flat reference, without copying."""
+
+    @abc.abstractmethod
+    def write_back(self, ref: ArrayRef, obj: Any) -> None:
+        """Copy ``ref``'s elements into ``obj``, the strided array ``ref`` was copied from."""
+
+
+_adapters: list[tuple[int, Adapter]] = []
+_by_kind: dict[str, Adapter] = {}
+_plugins_loaded = False
+_PLUGINS = ("gpucoll.arrays.device",)
+
+
+def register_adapter(adapter: Adapter, *, priority: int = 0) -> None:
+    """Add an adapter; higher ``priority`` is asked first (device adapters sit above host)."""
+    _adapters.append((priority, adapter))
+    _adapters.sort(key=lambda item: -item[0])
+    _by_kind.setdefault(adapter.kind, adapter)
+
+
+def _load_plugins() -> None:
+    global _plugins_loaded
+    _plugins_loaded = True
+    for module in _PLUGINS:
+        if importlib.util.find_spec(module) is not None:
+            importlib.import_module(module)
+
+
+def as_ref(obj: Any, name: str, *, copy: bool = False) -> ArrayRef:
+    """A reference to the array ``obj``, the argument called ``name`` in error messages.
+
+    Raises TypeError when ``obj`` is not an array any adapter knows, ValueError when it is not
+    C-contiguous and ``copy`` is False (with ``copy`` the reference is to a contiguous copy:
+    ``ref.array is not obj`` then, and ``write_back`` returns results into ``obj``).
+    """
+    if type(obj) is np.ndarray:  # the common case, ahead of the registry walk
+        return _host.ref(obj, name, copy=copy)
+    if not _plugins_loaded:
+        _load_plugins()
+    for _, adapter in _adapters:
+        if adapter.claims(obj):
+            return adapter.ref(obj, name, copy=copy)
+    raise TypeError(
+        f"{name} must be an array (NumPy, CuPy, or an object with the buffer protocol, "
+        f"__array_interface__, __cuda_array_interface__ or DLPack), got {type(obj).__name__}"
+    )
+
+
+def adapter_for(ref: ArrayRef) -> Adapter:
+    return _by_kind[ref.kind]
+
+
+def flat_view(ref: ArrayRef, start: int, count: int) -> ArrayRef:
+    """Elements ``start:start+count`` of a flat reference, sharing its memory."""
+    if start < 0 or count < 0 or start + count > ref.count:
+        raise ValueError(f"flat_view [{start}:{start + count}] outside {ref.count} elements")
+    return _by_kind[ref.kind].view(ref, start, count)
+
+
+def empty_like(ref: ArrayRef, shape: tuple[int, ...]) -> Any:
+    """A new array of the caller's kind (NumPy for host, same library and device otherwise)."""
+    return _by_kind[ref.kind].empty(ref, tuple(shape))
+
+
+def new_array(kind: str, shape: tuple[int, ...], dtype: np.dtype) -> Any:
+    """A new array of ``kind`` ("host": NumPy) when there is no reference to imitate."""
+    if kind not in _by_kind and not _plugins_loaded:
+        _load_plugins()
+    return _by_kind[kind].new(tuple(shape), dtype)
+
+
+def write_back(ref: ArrayRef, obj: Any) -> None:
+    """Copy a contiguous stand-in's elements back into the caller's non-contiguous ``obj``."""
+    _by_kind[ref.kind].write_back(ref, obj)
+
+
+def check_dtype(dtype: np.dtype, name: str) -> None:
+    """TypeError unless collectives support ``dtype`` (native byte order, a listed type)."""
+    if dtype.name not in _SUPPORTED or not dtype.isnative:
+        raise TypeError(
+            f"{name} has unsupported dtype {dtype.str if not dtype.isnative else dtype.name}; "
+            f"expected native-endian one of: {', '.join(SUPPORTED_DTYPES)}"
+        )
+
+
+def dtype_from_name(name: str) -> np.dtype:
+    """The dtype for a ``SUPPORTED_DTYPES`` name (bfloat16 needs ml_dtypes)."""
+    if name == "bfloat16":
+        import ml_dtypes
+
+        return np.dtype(ml_dtypes.bfloat16)
+    return np.dtype(name)
+
+
+from gpucoll.arrays.host import HostAdapter  # noqa: E402 - needs the classes above
+
+_host = HostAdapter()
+register_adapter(_host, priority=0)
+
+__all__ = [
+    "Adapter",
+    "ArrayRef",
+    "SUPPORTED_DTYPES",
+    "adapter_for",
+    "as_ref",
+    "check_dtype",
+    "dtype_from_name",
+    "empty_like",
+    "flat_view",
+    "new_array",
+    "register_adapter",
+    "write_back",
+]

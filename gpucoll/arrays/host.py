@@ -1,0 +1,87 @@
+"""Host memory: NumPy arrays and anything NumPy can view without copying.
+
+That is an object with the buffer protocol (bytearray, memoryview, array.array, ...),
+``__array_interface__``, or DLPack on the CPU (a CPU torch tensor). bfloat16 arrays are NumPy
+arrays of ml_dtypes' dtype and need nothing special.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+import numpy as np
+
+from gpucoll.arrays import Adapter, ArrayRef
+
+_DLPACK_CPU = 1  # DLDeviceType kDLCPU
+
+
+def _dlpack_on_cpu(obj: Any) -> bool:
+    device = getattr(obj, "__dlpack_device__", None)
+    if device is None or not hasattr(obj, "__dlpack__"):
+        return False
+    try:
+        return int(device()[0]) == _DLPACK_CPU
+    except Exception:
+        return False
+
+
+def _has_buffer(obj: Any) -> bool:
+    try:
+        memoryview(obj).release()
+    except TypeError:
+        return False
+    return True
+
+
+def to_numpy(obj: Any) -> np.ndarray:
+    """A NumPy view of a host array object (no copy)."""
+    if isinstance(obj, np.ndarray):
+        return obj
+    if hasattr(obj, "__array_interface__"):
+        return np.asarray(obj)
+    if _dlpack_on_cpu(obj):
+        return np.from_dlpack(obj)
+    return np.asarray(memoryview(obj))
+
+
+class HostAdapter(Adapter):
+    kind = "host"
+
+    def claims(self, obj: Any) -> bool:
+        if isinstance(obj, np.ndarray) or hasattr(obj, "__array_interface__"):
+            return True
+        if hasattr(obj, "__cuda_array_interface__"):
+            return False
+        return _dlpack_on_cpu(obj) or _has_buffer(obj)
+
+    def ref(self, obj: Any, name: str, *, copy: bool) -> ArrayRef:
+        arr = to_numpy(obj)
+        if not arr.flags.c_contiguous:
+            if not copy:
+                raise ValueError(
+                    f"{name} must be C-contiguous; got shape {arr.shape} with strides "
+                    f"{arr.strides} (pass np.ascontiguousarray({name}))"
+                )
+            arr = obj = np.ascontiguousarray(arr)
+        flat = arr.reshape(-1)
+        return ArrayRef(
+            obj, "host", arr.__array_interface__["data"][0], arr.shape, arr.dtype, flat.size,
+            arr.nbytes, flat,
+        )
+
+    def empty(self, ref: ArrayRef, shape: tuple[int, ...]) -> np.ndarray:
+        return np.empty(shape, ref.dtype)
+
+    def new(self, shape: tuple[int, ...], dtype: np.dtype) -> np.ndarray:
+        return np.empty(shape, dtype)
+
+    def view(self, ref: ArrayRef, start: int, count: int) -> ArrayRef:
+        part = ref.host[start:start + count]
+        size = ref.dtype.itemsize
+        return ArrayRef(
+            part, "host", ref.ptr + start * size, (count,), ref.dtype, count, count * size, part
+        )
+
+    def write_back(self, ref: ArrayRef, obj: Any) -> None:
+        np.copyto(to_numpy(obj), ref.host.reshape(ref.shape))
