@@ -1,0 +1,191 @@
+"""``gpucoll.init()`` and the module-level functions that act on the default communicator."""
+
+from __future__ import annotations
+
+import os
+from typing import Any
+
+from gpucoll.backends import create_backend, requested_name
+from gpucoll.communicator import Communicator
+from gpucoll.validation import check_timeout
+from gpucoll.work import Work
+
+DEFAULT_TIMEOUT = 300.0
+_default: Communicator | None = None
+
+
+def init(backend: str = "auto", *, rank: int | None = None, world_size: int | None = None,
+         store: Any = None, timeout: float | None = None, device: Any = None) -> Communicator:
+    """Join the group and return its communicator, which also becomes the default one.
+
+    With ``rank``/``world_size`` None they come from the environment (gpucoll's launcher,
+    torchrun, Slurm, Open MPI, MPICH). ``store`` is a TCPStore/PrefixStore, an address
+    ``"tcp://host:port"`` of a running store, or None: the environment's store (rank 0 hosts it
+    unless it already runs), or for a one-rank group given explicitly a private one.
+    ``timeout`` (seconds; default GPUCOLL_TIMEOUT or 300) bounds start-up and every call.
+    ``device`` is the CUDA device for the NCCL backend. Collective over the group.
+    """
+    global _default
+    if _default is not None and not _default.closed:
+        raise RuntimeError(f"gpucoll.init: already initialised ({_default!r}); call "
+                           f"gpucoll.close() first")
+    _default = create(backend, rank=rank, world_size=world_size, store=store, timeout=timeout,
+                      device=device)
+    return _default
+
+
+def create(backend: str = "auto", *, rank: int | None = None, world_size: int | None = None,
+           store: Any = None, timeout: float | None = None, device: Any = None) -> Communicator:
+    """What ``init`` does, without making the result the default communicator."""
+    name = requested_name(backend)
+    timeout = _timeout(timeout)
+    rank, world_size, base, owned = _rendezvous(rank, world_size, store, timeout)
+    try:
+        space = _namespace(base, world_size)
+        engine = create_backend(name, space, rank, world_size, timeout=timeout, device=device)
+    except BaseException:
+        if owned is not None:
+            owned.close()
+        raise
+    return Communicator(engine, space, timeout=timeout, owned_store=owned)
+
+
+def _timeout(timeout: float | None) -> float:
+    if timeout is None:
+        timeout = float(os.environ.get("GPUCOLL_TIMEOUT") or DEFAULT_TIMEOUT)
+    return check_timeout(timeout, "timeout", "gpucoll.init")
+
+
+def _rendezvous(rank: Any, world_size: Any, store: Any,
+                timeout: float) -> tuple[int, int, Any, Any]:
+    """(rank, world size, store, the store if init made it and must close it, else None)."""
+    from gpucoll import rendezvous
+    from gpucoll.store import TCPStore, parse_address
+
+    if (rank is None) != (world_size is None):
+        raise ValueError("gpucoll.init: pass both rank and world_size, or neither (then they "
+                         "come from the environment)")
+    env = None
+    if rank is None:
+        env = rendezvous.from_env()
+        rank, world_size = env.rank, env.world_size
+    _check_rank(rank, world_size)
+    if isinstance(store, str):
+        host, port = parse_address(store)
+        made = TCPStore(host, port, timeout=timeout)
+        return rank, world_size, made, made
+    if store is not None:
+        return rank, world_size, store, None
+    if env is None and world_size == 1:
+        made = TCPStore("127.0.0.1", 0, is_server=True, timeout=timeout)
+        return rank, world_size, made, made
+    made = rendezvous.connect(env or rendezvous.from_env(), timeout=timeout)
+    return rank, world_size, made, made
+
+
+def _check_rank(rank: Any, world_size: Any) -> None:
+    for name, value in (("rank", rank), ("world_size", world_size)):
+        if not isinstance(value, int) or isinstance(value, bool):
+            raise TypeError(f"gpucoll.init: {name} must be an int, got {type(value).__name__}")
+    if world_size < 1 or not 0 <= rank < world_size:
+        raise ValueError(f"gpucoll.init: need 0 <= rank < world_size, got rank={rank}, "
+                         f"world_size={world_size}")
+
+
+def _namespace(store: Any, world_size: int) -> Any:
+    """A fresh namespace per communicator made on one store: every rank adds 1 to a counter
+    as it joins, so the i-th group of ``world_size`` arrivals is communicator i."""
+    from gpucoll.store import PrefixStore
+
+    arrival = store.add("gpucoll/communicators", 1)
+    return PrefixStore(f"gpucoll/comm{(arrival - 1) // world_size}", store)
+
+
+def is_initialized() -> bool:
+    """True while a default communicator is open."""
+    return _default is not None and not _default.closed
+
+
+def get_default() -> Communicator:
+    """The communicator ``gpucoll.init()`` made; RuntimeError before init or after close."""
+    if not is_initialized():
+        raise RuntimeError("gpucoll is not initialised: call gpucoll.init() first")
+    return _default
+
+
+def get_rank() -> int:
+    """This process's rank in the default communicator."""
+    return get_default().rank
+
+
+def get_world_size() -> int:
+    """The number of ranks in the default communicator."""
+    return get_default().size
+
+
+def close() -> None:
+    """Close the default communicator (a no-op when there is none)."""
+    global _default
+    if _default is not None:
+        _default.close()
+        _default = None
+
+
+def all_reduce(x: Any, op: Any = "sum", **kwargs: Any) -> Any:
+    """``Communicator.all_reduce`` on the default communicator."""
+    return get_default().all_reduce(x, op, **kwargs)
+
+
+def reduce(x: Any, root: int = 0, op: Any = "sum", **kwargs: Any) -> Any:
+    """``Communicator.reduce`` on the default communicator."""
+    return get_default().reduce(x, root, op, **kwargs)
+
+
+def broadcast(x: Any, root: int = 0, **kwargs: Any) -> Any:
+    """``Communicator.broadcast`` on the default communicator."""
+    return get_default().broadcast(x, root, **kwargs)
+
+
+def all_gather(x: Any, **kwargs: Any) -> Any:
+    """``Communicator.all_gather`` on the default communicator."""
+    return get_default().all_gather(x, **kwargs)
+
+
+def gather(x: Any, root: int = 0, **kwargs: Any) -> Any:
+    """``Communicator.gather`` on the default communicator."""
+    return get_default().gather(x, root, **kwargs)
+
+
+def scatter(x: Any = None, root: int = 0, **kwargs: Any) -> Any:
+    """``Communicator.scatter`` on the default communicator."""
+    return get_default().scatter(x, root, **kwargs)
+
+
+def reduce_scatter(x: Any, op: Any = "sum", **kwargs: Any) -> Any:
+    """``Communicator.reduce_scatter`` on the default communicator."""
+    return get_default().reduce_scatter(x, op, **kwargs)
+
+
+def all_to_all(x: Any, **kwargs: Any) -> Any:
+    """``Communicator.all_to_all`` on the default communicator."""
+    return get_default().all_to_all(x, **kwargs)
+
+
+def send(x: Any, dst: int, **kwargs: Any) -> Work | None:
+    """``Communicator.send`` on the default communicator."""
+    return get_default().send(x, dst, **kwargs)
+
+
+def recv(x: Any, src: int, **kwargs: Any) -> Any:
+    """``Communicator.recv`` on the default communicator."""
+    return get_default().recv(x, src, **kwargs)
+
+
+def barrier(**kwargs: Any) -> Work | None:
+    """``Communicator.barrier`` on the default communicator."""
+    return get_default().barrier(**kwargs)
+
+
+def split(color: int | None, key: int = 0, **kwargs: Any) -> Communicator | None:
+    """``Communicator.split`` on the default communicator."""
+    return get_default().split(color, key, **kwargs)
