@@ -1,0 +1,265 @@
+"""The store under bad input and failures: tokens, garbage frames, lost and silent servers."""
+
+from __future__ import annotations
+
+import socket
+import struct
+import threading
+
+import pytest
+
+from gpucoll import StoreError, StoreTimeout, TCPStore
+from gpucoll.store.protocol import HEADER, VERSION, Frame, Op, Status, decode_args, encode
+
+
+def raw_connect(port: int) -> socket.socket:
+    sock = socket.create_connection(("127.0.0.1", port), timeout=10)
+    return sock
+
+
+def read_frame(sock: socket.socket) -> Frame | None:
+    """One whole reply frame from a raw socket, or None if the server closed it."""
+    head = _read_exact(sock, HEADER.size)
+    if head is None:
+        return None
+    plen, code, rid, argc = HEADER.unpack(head)
+    payload = _read_exact(sock, plen)
+    return None if payload is None else Frame(code, rid, argc, payload)
+
+
+def _read_exact(sock: socket.socket, n: int) -> bytes | None:
+    data = b""
+    while len(data) < n:
+        try:
+            chunk = sock.recv(n - len(data))
+        except ConnectionResetError:
+            return None
+        if not chunk:
+            return None
+        data += chunk
+    return data
+
+
+def closed_by_server(sock: socket.socket) -> bool:
+    """True once the server has closed this connection (drains anything it sent first)."""
+    while True:
+        try:
+            if not sock.recv(65536):
+                return True
+        except ConnectionResetError:
+            return True
+
+
+def hello(sock: socket.socket, token: str = "") -> Frame:
+    sock.sendall(encode(Op.HELLO, 1, [VERSION, token.encode()])[0])
+    return read_frame(sock)
+
+
+def still_serves(port: int) -> bool:
+    with TCPStore("127.0.0.1", port, timeout=10) as c:
+        c.set("alive", b"yes")
+        return c.get("alive") == b"yes"
+
+
+# ----------------------------------------------------------------------------- token
+def test_token_protected_store_accepts_the_right_token():
+    with TCPStore("127.0.0.1", 0, is_server=True, timeout=10, token="s3cret") as s:
+        with TCPStore("127.0.0.1", s.port, timeout=10, token="s3cret") as c:
+            c.set("k", b"v")
+            assert s.get("k") == b"v"
+
+
+def test_wrong_token_is_refused_naming_the_store():
+    with TCPStore("127.0.0.1", 0, is_server=True, timeout=10, token="s3cret") as s:
+        with pytest.raises(StoreError, match=f"127.0.0.1:{s.port} refused.*token"):
+            TCPStore("127.0.0.1", s.port, timeout=10, token="guess")
+
+
+def test_missing_token_is_refused(monkeypatch):
+    monkeypatch.delenv("GPUCOLL_STORE_TOKEN", raising=False)
+    with TCPStore("127.0.0.1", 0, is_server=True, timeout=10, token="s3cret") as s:
+        with pytest.raises(StoreError, match="token"):
+            TCPStore("127.0.0.1", s.port, timeout=10)
+
+
+def test_token_comes_from_the_environment(monkeypatch):
+    monkeypatch.setenv("GPUCOLL_STORE_TOKEN", "from-env")
+    with TCPStore("127.0.0.1", 0, is_server=True, timeout=10) as s:
+        with TCPStore("127.0.0.1", s.port, timeout=10) as c:
+            assert c.add("n", 1) == 1
+        monkeypatch.setenv("GPUCOLL_STORE_TOKEN", "other")
+        with pytest.raises(StoreError, match="token"):
+            TCPStore("127.0.0.1", s.port, timeout=10)
+
+
+def test_stray_client_cannot_write_without_hello():
+    with TCPStore("127.0.0.1", 0, is_server=True, timeout=10, token="s3cret") as s:
+        sock = raw_connect(s.port)
+        sock.sendall(encode(Op.SET, 7, [b"intruder", b"x"])[0])
+        reply = read_frame(sock)
+        assert reply.code == Status.ERROR and b"hello" in decode_args(reply)[0]
+        assert closed_by_server(sock)
+        sock.close()
+        assert not s.check(["intruder"])
+
+
+def test_stray_client_cannot_read_with_a_wrong_token():
+    with TCPStore("127.0.0.1", 0, is_server=True, timeout=10, token="s3cret") as s:
+        s.set("secret", b"x")
+        sock = raw_connect(s.port)
+        assert hello(sock, "nope").code == Status.ERROR
+        try:
+            sock.sendall(encode(Op.GET, 2, [struct.pack("<d", 1.0), b"secret"])[0])
+        except OSError:  # the server may already have reset the connection
+            pass
+        assert read_frame(sock) is None
+        sock.close()
+
+
+# ----------------------------------------------------------------------------- bad frames
+def test_garbage_bytes_close_that_connection_only(store_server):
+    sock = raw_connect(store_server.port)
+    sock.sendall(b"GET / HTTP/1.1\r\nHost: x\r\n\r\n" * 4)
+    assert closed_by_server(sock)
+    sock.close()
+    assert still_serves(store_server.port)
+
+
+def test_oversized_length_gets_an_error_and_a_closed_connection(store_server):
+    sock = raw_connect(store_server.port)
+    assert hello(sock).code == Status.OK
+    sock.sendall(HEADER.pack(0xFFFFFFF0, Op.SET, 9, 2))
+    reply = read_frame(sock)
+    assert reply.code == Status.ERROR and reply.rid == 9
+    assert b"exceeds the limit" in decode_args(reply)[0]
+    assert closed_by_server(sock)
+    sock.close()
+    assert still_serves(store_server.port)
+
+
+def test_oversized_hello_is_refused_before_reading_it(store_server):
+    sock = raw_connect(store_server.port)
+    sock.sendall(HEADER.pack(1 << 20, Op.HELLO, 1, 2))
+    reply = read_frame(sock)
+    assert reply.code == Status.ERROR
+    assert closed_by_server(sock)
+    sock.close()
+
+
+def test_truncated_frame_then_disconnect_leaves_the_server_serving(store_server):
+    sock = raw_connect(store_server.port)
+    assert hello(sock).code == Status.OK
+    frame = encode(Op.SET, 0, [b"half", b"x" * 100])[0]
+    sock.sendall(frame[: len(frame) // 2])
+    sock.close()
+    assert still_serves(store_server.port)
+    assert not store_server.check(["half"])
+
+
+def test_truncated_large_frame_then_disconnect_leaves_the_server_serving(store_server):
+    sock = raw_connect(store_server.port)
+    assert hello(sock).code == Status.OK
+    sock.sendall(HEADER.pack(8 << 20, Op.SET, 0, 2) + b"\0" * (2 << 20))
+    sock.close()
+    assert still_serves(store_server.port)
+
+
+def test_argument_lengths_that_do_not_add_up_get_an_error_reply(store_server):
+    sock = raw_connect(store_server.port)
+    assert hello(sock).code == Status.OK
+    payload = struct.pack("<2I", 5, 500) + b"hello"
+    sock.sendall(HEADER.pack(len(payload), Op.SET, 4, 2) + payload)
+    reply = read_frame(sock)
+    assert reply.code == Status.ERROR and reply.rid == 4
+    # the framing was intact, so the same connection keeps working
+    sock.sendall(encode(Op.ADD, 5, [b"n", b"2"])[0])
+    reply = read_frame(sock)
+    assert (reply.code, reply.rid, decode_args(reply)) == (Status.OK, 5, [b"2"])
+    sock.close()
+
+
+def test_unknown_operation_gets_an_error_reply(store_server):
+    sock = raw_connect(store_server.port)
+    assert hello(sock).code == Status.OK
+    sock.sendall(encode(200, 3, [b"x"])[0])
+    reply = read_frame(sock)
+    assert reply.code == Status.ERROR and b"unknown operation" in decode_args(reply)[0]
+    sock.close()
+
+
+def test_value_over_the_server_limit_from_a_raw_client_is_refused():
+    with TCPStore("127.0.0.1", 0, is_server=True, timeout=10, max_value_bytes=100) as s:
+        sock = raw_connect(s.port)
+        assert hello(sock).code == Status.OK
+        sock.sendall(encode(Op.COMPARE_SET, 6, [b"k", b"", b"x" * 101])[0])
+        reply = read_frame(sock)
+        assert reply.code == Status.ERROR and b"limit of 100" in decode_args(reply)[0]
+        sock.close()
+        assert not s.check(["k"])
+
+
+def test_failed_fire_and_forget_set_breaks_the_connection_visibly(store_server):
+    # a raw set with reply id 0 that the server cannot apply closes the connection
+    sock = raw_connect(store_server.port)
+    assert hello(sock).code == Status.OK
+    sock.sendall(encode(Op.SET, 0, [b"only-a-key"])[0])
+    reply = read_frame(sock)
+    assert reply.code == Status.ERROR and reply.rid == 0
+    assert closed_by_server(sock)
+    sock.close()
+
+
+# ----------------------------------------------------------------------------- failures
+def test_lost_server_is_a_store_error_naming_the_address():
+    server = TCPStore("127.0.0.1", 0, is_server=True, timeout=10)
+    client = TCPStore("127.0.0.1", server.port, timeout=30)
+    errors = []
+
+    def parked():
+        try:
+            client.get("never", timeout=30)
+        except StoreError as exc:
+            errors.append(exc)
+
+    t = threading.Thread(target=parked)
+    t.start()
+    server.close()
+    t.join(20)
+    client.close()
+    assert not t.is_alive()
+    assert len(errors) == 1 and not isinstance(errors[0], StoreTimeout)
+    assert f"127.0.0.1:{server.port}" in str(errors[0])
+
+
+def test_calls_after_the_server_is_gone_fail_fast():
+    server = TCPStore("127.0.0.1", 0, is_server=True, timeout=10)
+    client = TCPStore("127.0.0.1", server.port, timeout=30)
+    server.close()
+    with pytest.raises(StoreError, match=f"127.0.0.1:{server.port}"):
+        client.add("n", 1)
+    with pytest.raises(StoreError, match="127.0.0.1"):
+        client.check(["n"])
+    client.close()
+
+
+def test_silent_server_hits_the_connect_deadline():
+    listener = socket.socket()
+    listener.bind(("127.0.0.1", 0))
+    listener.listen(8)  # accepts (kernel backlog) but never answers the hello
+    port = listener.getsockname()[1]
+    try:
+        with pytest.raises(StoreTimeout, match=f"127.0.0.1:{port}"):
+            TCPStore("127.0.0.1", port, timeout=0.3)
+    finally:
+        listener.close()
+
+
+def test_nothing_listening_times_out_naming_the_address():
+    reserved = socket.socket()
+    reserved.bind(("127.0.0.1", 0))  # bound, not listening: connections are refused
+    port = reserved.getsockname()[1]
+    try:
+        with pytest.raises(StoreTimeout, match=f"could not connect to store at 127.0.0.1:{port}"):
+            TCPStore("127.0.0.1", port, timeout=0.3)
+    finally:
+        reserved.close()
