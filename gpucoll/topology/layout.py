@@ -1,0 +1,250 @@
+"""What a topology means: pure functions from observed devices and path labels to a Layout.
+
+The builders in :mod:`gpucoll.topology.build` turn each source's raw facts into one
+:class:`Observed`; :func:`analyze` draws every conclusion from it, whatever the source.
+"""
+
+from __future__ import annotations
+
+import re
+from dataclasses import dataclass, field
+
+from gpucoll.topology import labels
+from gpucoll.topology.facts import PcieLink
+from gpucoll.topology.ring import best_ring
+
+# No GPU has more NVLinks than this (H100: 18). A GPU whose pair counts add up to more must
+# reach its peers through NVSwitches, which report every link to every peer.
+MAX_NVLINKS_PER_GPU = 18
+
+
+@dataclass(frozen=True)
+class Device:
+    """One GPU or NIC, named as nvidia-smi names it (GPU0, NIC0, or mlx5_0 on old drivers)."""
+
+    name: str
+    kind: str  # gpu | nic
+    index: int  # the GPU's index, or the NIC's position among NICs
+    device: str | None = None  # a NIC's legend/RDMA name, e.g. mlx5_0
+    model: str | None = None
+    bus_id: str | None = None
+    uuid: str | None = None
+    memory_bytes: int | None = None
+    cpu_affinity: str | None = None  # cpulist as printed; None when blank or unknown
+    numa_affinity: str | None = None  # as printed, e.g. "0" or "N/A"
+    gpu_numa_id: str | None = None  # as printed; a NUMA node of the GPU's own memory (GH200)
+    pcie: PcieLink | None = None
+    nvlinks_down: tuple[int, ...] = ()  # link numbers NVML reports as supported but inactive
+
+
+@dataclass(frozen=True)
+class Finding:
+    """A warning about the layout: a stable code, a sentence, and the devices concerned."""
+
+    code: str  # cross-socket | no-nearby-nic | pcie-degraded | nvlink-down | nvlink-uneven |
+    #            partial | no-driver
+    message: str
+    devices: tuple[str, ...] = ()
+
+
+@dataclass(frozen=True)
+class Observed:
+    """Devices and path labels from one source, before any analysis."""
+
+    source: str  # nvidia-smi | nvml | sysfs
+    path: str | None
+    devices: tuple[Device, ...]
+    matrix: dict[str, dict[str, str | None]]  # None: not shown by the source
+    nvswitch: bool | None = None  # None: the source cannot tell, infer from link counts
+    notes: tuple[Finding, ...] = ()  # source-specific findings (partial input, no driver)
+
+
+@dataclass(frozen=True)
+class Layout:
+    """Everything the layout found; render_json documents its serialised form."""
+
+    observed: Observed
+    nvlink_pairs: dict[tuple[str, str], int]
+    islands: list[list[str]]
+    nvswitch: bool
+    nvswitch_basis: str  # "nvml", "pci", or "link counts"
+    nearest_nic: dict[str, tuple[list[str], str]]  # GPU -> (nearest NICs, their label)
+    bandwidth: dict[str, dict[str, str | None]]  # GPU -> GPU -> bandwidth class
+    ring_order: list[int]
+    warnings: list[Finding] = field(default_factory=list)
+
+    @property
+    def devices(self) -> tuple[Device, ...]:
+        return self.observed.devices
+
+    @property
+    def matrix(self) -> dict[str, dict[str, str | None]]:
+        return self.observed.matrix
+
+    @property
+    def gpus(self) -> list[Device]:
+        return [d for d in self.observed.devices if d.kind == "gpu"]
+
+    @property
+    def nics(self) -> list[Device]:
+        return [d for d in self.observed.devices if d.kind == "nic"]
+
+
+def analyze(obs: Observed) -> Layout:
+    """Draw every conclusion from one source's observations."""
+    gpus = [d.name for d in obs.devices if d.kind == "gpu"]
+    pairs = nvlink_pairs(obs.matrix, gpus)
+    nvswitch, basis = _nvswitch(obs, pairs, gpus)
+    nearest = nearest_nics(obs)
+    layout = Layout(
+        observed=obs, nvlink_pairs=pairs, islands=islands(gpus, pairs), nvswitch=nvswitch,
+        nvswitch_basis=basis, nearest_nic=nearest, bandwidth=bandwidth(obs.matrix, gpus),
+        ring_order=ring_order_of(obs))
+    layout.warnings.extend(findings(layout))
+    return layout
+
+
+def gpu_index(name: str) -> int:
+    """GPU3 -> 3."""
+    match = re.fullmatch(r"GPU(\d+)", name)
+    if not match:
+        raise ValueError(f"{name!r} is not a GPU name like GPU0")
+    return int(match.group(1))
+
+
+def nvlink_pairs(matrix: dict[str, dict[str, str | None]], gpus: list[str]) -> dict:
+    """(GPUa, GPUb) -> bonded NVLink count, for each unordered pair joined by NVLink."""
+    out = {}
+    for i, a in enumerate(gpus):
+        for b in gpus[i + 1:]:
+            links = labels.nvlinks(matrix[a][b])
+            if links:
+                out[(a, b)] = links
+    return out
+
+
+def islands(gpus: list[str], pairs: dict[tuple[str, str], int]) -> list[list[str]]:
+    """GPUs grouped by NVLink reachability; a GPU without NVLink is an island of its own."""
+    group = {g: {g} for g in gpus}
+    for a, b in pairs:
+        if group[a] is not group[b]:
+            merged = group[a] | group[b]
+            for g in merged:
+                group[g] = merged
+    seen, out = set(), []
+    for g in gpus:
+        if g not in seen:
+            seen |= group[g]
+            out.append([x for x in gpus if x in group[g]])
+    return out
+
+
+def _nvswitch(obs: Observed, pairs: dict, gpus: list[str]) -> tuple[bool, str]:
+    """Whether NVSwitches join the GPUs, and how that is known."""
+    if obs.nvswitch is not None:
+        return obs.nvswitch, obs.source
+    totals = {g: 0 for g in gpus}
+    for (a, b), links in pairs.items():
+        totals[a] += links
+        totals[b] += links
+    return any(t > MAX_NVLINKS_PER_GPU for t in totals.values()), "link counts"
+
+
+def nearest_nics(obs: Observed) -> dict[str, tuple[list[str], str]]:
+    """GPU -> (the NICs at the nearest PCIe level, that level's label as printed)."""
+    nics = [d.name for d in obs.devices if d.kind == "nic"]
+    out = {}
+    for gpu in (d.name for d in obs.devices if d.kind == "gpu"):
+        levels = {n: labels.pcie_level(obs.matrix[gpu][n]) for n in nics}
+        known = [lv for lv in levels.values() if lv is not None]
+        if known:
+            best = min(known)
+            names = [n for n in nics if levels[n] == best]
+            out[gpu] = (names, obs.matrix[gpu][names[0]])
+    return out
+
+
+def bandwidth(matrix: dict, gpus: list[str]) -> dict[str, dict[str, str | None]]:
+    """GPU -> GPU -> bandwidth class of the path between them (None on the diagonal)."""
+    return {a: {b: None if a == b else labels.bandwidth_class(matrix[a][b]) for b in gpus}
+            for a in gpus}
+
+
+def ring_order_of(obs: Observed) -> list[int]:
+    """GPU indices in the suggested ring order."""
+    by_index = {gpu_index(d.name): d.name for d in obs.devices if d.kind == "gpu"}
+
+    def weight(a: int, b: int) -> int:
+        return labels.weight(obs.matrix[by_index[a]][by_index[b]])
+
+    return best_ring(list(by_index), weight)
+
+
+def findings(layout: Layout) -> list[Finding]:
+    """Every warning about the layout, source notes first."""
+    out = list(layout.observed.notes)
+    out += _cross_socket(layout)
+    out += _no_nearby_nic(layout)
+    out += _pcie_degraded(layout)
+    out += _nvlink_down(layout)
+    out += _nvlink_uneven(layout)
+    return out
+
+
+def _cross_socket(layout: Layout) -> list[Finding]:
+    gpus = [d.name for d in layout.gpus]
+    pairs = [(a, b) for i, a in enumerate(gpus) for b in gpus[i + 1:]
+             if labels.crosses_sockets(layout.matrix[a][b])]
+    if not pairs:
+        return []
+    text = ", ".join(f"{a}-{b}" for a, b in pairs)
+    return [Finding("cross-socket", f"{len(pairs)} GPU pair(s) talk across the CPU socket "
+                    f"interconnect (SYS): {text}; keep them apart in rings or expect PCIe+QPI/UPI "
+                    "bandwidth", tuple(sorted({g for p in pairs for g in p}, key=gpus.index)))]
+
+
+def _no_nearby_nic(layout: Layout) -> list[Finding]:
+    """GPUs whose nearest NIC is beyond a PCIe switch, where GPUDirect RDMA is slow or off."""
+    out = []
+    for gpu, (nics, label) in layout.nearest_nic.items():
+        if labels.pcie_level(label) > labels.PCIE_LEVELS.index("PXB"):
+            out.append(Finding("no-nearby-nic", f"{gpu} has no NIC below a shared PCIe switch "
+                               f"(nearest: {', '.join(nics)} at {label}); GPUDirect RDMA will "
+                               "be slow or disabled for it", (gpu, *nics)))
+    return out
+
+
+def _pcie_degraded(layout: Layout) -> list[Finding]:
+    out = []
+    for dev in layout.devices:
+        link = dev.pcie
+        if link is None:
+            continue
+        slow_gen = None not in (link.gen, link.max_gen) and link.gen < link.max_gen
+        narrow = None not in (link.width, link.max_width) and link.width < link.max_width
+        if slow_gen or narrow:
+            out.append(Finding("pcie-degraded", f"{dev.name} PCIe link runs at gen {link.gen} "
+                               f"x{link.width}, below its max gen {link.max_gen} "
+                               f"x{link.max_width} (idle GPUs lower their generation to save "
+                               "power: check again under load)", (dev.name,)))
+    return out
+
+
+def _nvlink_down(layout: Layout) -> list[Finding]:
+    return [Finding("nvlink-down", f"{d.name} has {len(d.nvlinks_down)} NVLink(s) down: "
+                    f"link {', '.join(map(str, d.nvlinks_down))}", (d.name,))
+            for d in layout.gpus if d.nvlinks_down]
+
+
+def _nvlink_uneven(layout: Layout) -> list[Finding]:
+    """On an NVSwitch every pair has the same link count; fewer on some means links are down."""
+    if not layout.nvswitch or not layout.nvlink_pairs:
+        return []
+    counts = list(layout.nvlink_pairs.values())
+    usual = max(set(counts), key=lambda c: (counts.count(c), c))
+    short = sorted({g for pair, c in layout.nvlink_pairs.items() if c < usual for g in pair},
+                   key=lambda g: gpu_index(g))
+    if not short:
+        return []
+    return [Finding("nvlink-uneven", f"NVSwitch pairs usually have NV{usual}, but "
+                    f"{', '.join(short)} have fewer: NVLinks may be down", tuple(short))]
