@@ -1,0 +1,77 @@
+"""A backend that only records what reaches it: shows that validation stops bad calls first.
+
+It lets one process play any rank of any world size, so argument checks that depend on the rank
+(root ranges, send-to-self, scatter's root-only input) run without spawning a group.
+"""
+
+from __future__ import annotations
+
+from gpucoll.backends.base import Backend
+from gpucoll.communicator import Communicator
+from gpucoll.work import CompletedWork
+
+
+class RecordingBackend(Backend):
+    name = "recording"
+
+    def __init__(self, rank: int, size: int):
+        self.rank, self.size = rank, size
+        self.calls: list[tuple] = []
+        self.closed = False
+
+    def _record(self, *call) -> None:
+        self.calls.append(call)
+
+    def all_reduce(self, x, op, *, timeout, stream=None):
+        self._record("all_reduce", x, op)
+
+    def broadcast(self, x, root, *, timeout, stream=None):
+        self._record("broadcast", x, root)
+
+    def reduce(self, x, root, op, *, timeout, stream=None):
+        self._record("reduce", x, root, op)
+
+    def all_gather(self, x, out, *, timeout, stream=None):
+        self._record("all_gather", x, out)
+
+    def gather(self, x, out, root, *, timeout, stream=None):
+        self._record("gather", x, out, root)
+
+    def scatter(self, x, out, root, *, timeout, stream=None):
+        self._record("scatter", x, out, root)
+
+    def reduce_scatter(self, x, out, op, *, timeout, stream=None):
+        self._record("reduce_scatter", x, out, op)
+
+    def all_to_all(self, x, out, *, timeout, stream=None):
+        self._record("all_to_all", x, out)
+
+    def send(self, x, dst, *, timeout, stream=None):
+        self._record("send", x, dst)
+
+    def recv(self, x, src, *, timeout, stream=None):
+        self._record("recv", x, src)
+
+    def barrier(self, *, timeout):
+        self._record("barrier")
+
+    def run_async(self, call, *, stream=None):
+        call()
+        return CompletedWork()
+
+    def run_sync(self, call):
+        call()
+
+    def split(self, store, rank, size, color, key, *, timeout):
+        return None if color is None else RecordingBackend(rank, size)
+
+    def abort(self, reason):
+        self._record("abort", reason)
+
+    def close(self):
+        self.closed = True
+
+
+def recording_comm(rank: int = 0, size: int = 4, timeout: float = 5.0) -> Communicator:
+    """A communicator over a RecordingBackend (no store: not for split or debug checks)."""
+    return Communicator(RecordingBackend(rank, size), None, timeout=timeout, debug=False)
