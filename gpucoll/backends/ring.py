@@ -1,0 +1,215 @@
+"""The host ring backend: every collective on NumPy buffers, over shared memory or TCP.
+
+Construction is collective: ranks meet through the store and build a mesh of connections
+(``gpucoll.transport.mesh``). Calls run inline on the caller's thread (small calls are latency
+bound); ``run_async`` hands calls to one worker thread, which keeps issue order. The first error
+(a timeout, a dead or aborting peer, an interrupt) poisons the backend: peers are told, later
+calls fail at once, and ``close()`` still releases everything.
+"""
+
+from __future__ import annotations
+
+import os
+import queue
+import threading
+import time
+from collections.abc import Callable
+from typing import Any
+
+import numpy as np
+
+from gpucoll.backends import ring_algos as algos
+from gpucoll.backends.base import Backend
+from gpucoll.errors import CollectiveTimeout, GpucollError, PeerFailure
+from gpucoll.ops import ReduceOp, finish_avg, host_ufunc
+from gpucoll.transport.engine import Engine, State
+from gpucoll.transport.mesh import Mesh
+from gpucoll.transport.monitor import CLOSE, Monitor, encode_abort
+from gpucoll.work import FutureWork
+
+_CLOSE_GRACE_S = 2.0  # how long close() lets queued async work finish before aborting it
+
+
+class RingBackend(Backend):
+    """Host collectives for ``size`` ranks; ``store`` is this group's store namespace."""
+
+    name = "ring"
+
+    def __init__(self, store: Any, rank: int, size: int, *, timeout: float,
+                 transport: str = "auto", device_staging: Any = None):
+        if not 0 <= rank < size:
+            raise ValueError(f"rank={rank} is outside a group of size {size}")
+        self.rank, self.size = rank, size
+        self.timeout = timeout
+        self.device_staging = device_staging
+        self._transport_arg = transport
+        self._state = State()
+        self._error: BaseException | None = None
+        self._closed = False
+        self._lock = threading.Lock()  # one call at a time on the links
+        self._queue: queue.SimpleQueue = queue.SimpleQueue()
+        self._inflight = 0
+        self._idle = threading.Condition()
+        self._worker: threading.Thread | None = None
+        self._mesh = Mesh(store, rank, size, timeout=timeout, transport=transport)
+        self.transport = self._mesh.transport
+        busy = self._mesh.local_ranks > (os.cpu_count() or 1)
+        self._engine = Engine(rank, self._mesh.links, self._mesh.bell, self._state, busy)
+        self._monitor = Monitor(rank, self._mesh.control, self._mesh.bell, self._state)
+
+    @property
+    def links(self) -> dict[int, str]:
+        """Which transport carries data to each peer: ``{peer: "shm" | "tcp"}``."""
+        return {j: link.kind for j, link in enumerate(self._mesh.links) if link is not None}
+
+    # -- running a call --------------------------------------------------------------------
+    def _call(self, opname: str, timeout: float, fn: Callable, *args) -> None:
+        self._check_usable(opname)
+        step = algos.Step(self._engine, self.rank, self.size, time.monotonic() + timeout, opname)
+        with self._lock:
+            try:
+                fn(step, *args)
+            except BaseException as exc:
+                self._poison(exc)
+                raise
+
+    def _check_usable(self, opname: str) -> None:
+        if self._closed:
+            raise GpucollError(f"{opname} on rank {self.rank}: the ring backend is closed")
+        if self._error is None and self._state.failure is not None:
+            self._poison(self._state.failure)
+        err = self._error
+        if err is not None:
+            msg = f"{opname} on rank {self.rank}: unusable after an earlier failure: {err}"
+            if isinstance(err, PeerFailure):
+                raise PeerFailure(msg, peer=err.peer)
+            if isinstance(err, CollectiveTimeout):
+                raise CollectiveTimeout(msg)
+            raise GpucollError(msg)
+
+    def _poison(self, exc: BaseException) -> None:
+        """Remember the first failure and tell every peer, so nobody waits for this rank."""
+        if self._error is not None:
+            return
+        self._error = exc
+        culprit = exc.peer if isinstance(exc, PeerFailure) and exc.peer is not None else self.rank
+        reason = f"{type(exc).__name__}: {exc}"
+        self._monitor.broadcast(encode_abort(reason, culprit))
+
+    @staticmethod
+    def _finish(op: ReduceOp, size: int) -> Callable | None:
+        if op is ReduceOp.AVG:
+            return lambda view: finish_avg(view, size)
+        return None
+
+    # -- collectives -----------------------------------------------------------------------
+    def all_reduce(self, x, op, *, timeout, stream=None) -> None:
+        self._call("all_reduce", timeout, algos.all_reduce, x.host, host_ufunc(op),
+                   self._finish(op, self.size))
+
+    def broadcast(self, x, root, *, timeout, stream=None) -> None:
+        self._call("broadcast", timeout, algos.broadcast, x.host, root)
+
+    def reduce(self, x, root, op, *, timeout, stream=None) -> None:
+        self._call("reduce", timeout, algos.reduce, x.host, root, host_ufunc(op),
+                   self._finish(op, self.size))
+
+    def all_gather(self, x, out, *, timeout, stream=None) -> None:
+        self._call("all_gather", timeout, algos.all_gather, x.host, out.host)
+
+    def gather(self, x, out, root, *, timeout, stream=None) -> None:
+        self._call("gather", timeout, algos.gather, x.host, _host(out), root)
+
+    def scatter(self, x, out, root, *, timeout, stream=None) -> None:
+        self._call("scatter", timeout, algos.scatter, _host(x), out.host, root)
+
+    def reduce_scatter(self, x, out, op, *, timeout, stream=None) -> None:
+        self._call("reduce_scatter", timeout, algos.reduce_scatter, x.host, out.host,
+                   host_ufunc(op), self._finish(op, self.size))
+
+    def all_to_all(self, x, out, *, timeout, stream=None) -> None:
+        self._call("all_to_all", timeout, algos.all_to_all, x.host, out.host)
+
+    def send(self, x, dst, *, timeout, stream=None) -> None:
+        self._call(f"send to rank {dst}", timeout, _p2p, dst, x.host, True)
+
+    def recv(self, x, src, *, timeout, stream=None) -> None:
+        self._call(f"recv from rank {src}", timeout, _p2p, src, x.host, False)
+
+    def barrier(self, *, timeout) -> None:
+        self._call("barrier", timeout, algos.barrier)
+
+    # -- ordering --------------------------------------------------------------------------
+    def run_async(self, call: Callable[[], None], *, stream: Any = None) -> FutureWork:
+        work = FutureWork()
+        if self._closed:
+            work.fail(GpucollError(f"rank {self.rank}: the ring backend is closed"))
+            return work
+        with self._idle:
+            self._inflight += 1
+        if self._worker is None:
+            self._worker = threading.Thread(target=self._work_loop, daemon=True,
+                                            name=f"gpucoll-ring-{self.rank}")
+            self._worker.start()
+        self._queue.put((work, call))
+        return work
+
+    def _work_loop(self) -> None:
+        while True:
+            item = self._queue.get()
+            if item is None:
+                return
+            work, call = item
+            work.run(call)
+            with self._idle:
+                self._inflight -= 1
+                self._idle.notify_all()
+
+    def run_sync(self, call: Callable[[], None]) -> None:
+        if self._inflight:
+            with self._idle:
+                self._idle.wait_for(lambda: self._inflight == 0)
+        call()
+
+    # -- groups and lifetime ---------------------------------------------------------------
+    def split(self, store, rank, size, color, key, *, timeout) -> RingBackend | None:
+        if color is None or rank is None:
+            return None
+        return RingBackend(store, rank, size, timeout=timeout, transport=self._transport_arg,
+                           device_staging=self.device_staging)
+
+    def abort(self, reason: str) -> None:
+        err = GpucollError(f"rank {self.rank} aborted: {reason}")
+        self._poison(err)
+        if self._state.failure is None:
+            self._state.failure = err
+        try:
+            os.eventfd_write(self._mesh.bell, 1)
+        except (OSError, ValueError):
+            pass
+
+    def close(self) -> None:
+        if self._closed:
+            return
+        self._closed = True
+        if self._worker is not None:
+            self._queue.put(None)
+            self._worker.join(_CLOSE_GRACE_S)
+            if self._worker.is_alive():
+                self.abort("closed while asynchronous work was still running")
+                self._worker.join()
+            self._worker = None
+        with self._lock:
+            self._monitor.broadcast(CLOSE)
+            self._monitor.stop()
+            self._mesh.close()
+
+
+def _host(ref) -> np.ndarray | None:
+    return None if ref is None else ref.host
+
+
+def _p2p(s: algos.Step, peer: int, arr: np.ndarray, sending: bool) -> None:
+    if peer == s.rank:
+        raise ValueError(f"rank {s.rank} cannot send to or receive from itself")
+    s.run(s.send(peer, arr) if sending else s.recv(peer, arr))

@@ -1,0 +1,255 @@
+"""The host collectives as steps of sends and receives between ranks.
+
+Every function takes a ``Step`` (this rank, the group size, and ``run(ops)`` that completes a set
+of ops by the call's deadline) and flat 1-D NumPy arrays. Large messages use bandwidth-optimal
+schedules (the ring: reduce-scatter then all-gather; a pipelined chain for broadcast and reduce);
+small ones a single round of direct exchange. Reductions follow a fixed order, so every rank of
+an all_reduce ends with bit-identical values.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+
+import numpy as np
+
+from gpucoll.transport.engine import Recv, RecvReduce, Send
+
+# below this many bytes per rank, one round of direct messages beats the ring's 2(n-1) steps
+DIRECT_BYTES = 64 << 10
+
+
+class Step:
+    """What an algorithm needs of the backend for one call."""
+
+    def __init__(self, engine, rank: int, size: int, deadline: float, opname: str):
+        self.engine = engine
+        self.rank = rank
+        self.size = size
+        self.deadline = deadline
+        self.opname = opname
+
+    def send(self, peer: int, arr: np.ndarray, gate=None) -> Send:
+        return Send(self.engine.links[peer], arr, gate)
+
+    def recv(self, peer: int, arr: np.ndarray) -> Recv:
+        return Recv(self.engine.links[peer], arr)
+
+    def reduce_from(self, peer: int, acc: np.ndarray, ufunc, src=None) -> RecvReduce:
+        return RecvReduce(self.engine.links[peer], acc, ufunc, src)
+
+    def run(self, *ops) -> None:
+        self.engine.run(ops, self.deadline, self.opname)
+
+
+def bounds(count: int, parts: int) -> list[tuple[int, int]]:
+    """Split ``count`` elements into ``parts`` nearly equal [start, stop) ranges."""
+    base, extra = divmod(count, parts)
+    out, start = [], 0
+    for i in range(parts):
+        stop = start + base + (1 if i < extra else 0)
+        out.append((start, stop))
+        start = stop
+    return out
+
+
+def use_direct(nbytes: int, size: int) -> bool:
+    return nbytes <= DIRECT_BYTES and size <= 16
+
+
+# -- all_reduce -----------------------------------------------------------------------------
+def all_reduce(s: Step, x: np.ndarray, ufunc, finish: Callable | None) -> None:
+    """Reduce ``x`` over all ranks, in place; ``finish(view)`` post-processes (avg)."""
+    if s.size == 1 or x.size == 0:
+        if finish is not None:
+            finish(x)
+        return
+    if use_direct(x.nbytes, s.size):
+        _all_reduce_direct(s, x, ufunc)
+        if finish is not None:
+            finish(x)
+    else:
+        _all_reduce_ring(s, x, ufunc, finish)
+
+
+def _all_reduce_direct(s: Step, x: np.ndarray, ufunc) -> None:
+    """Everyone sends x to everyone, then folds all ranks' values in rank order."""
+    peers = [j for j in range(s.size) if j != s.rank]
+    bufs = {j: np.empty_like(x) for j in peers}
+    s.run(*(s.send(j, x) for j in peers), *(s.recv(j, bufs[j]) for j in peers))
+    fold_in_rank_order(s.rank, x, bufs, ufunc)
+
+
+def fold_in_rank_order(rank: int, x: np.ndarray, bufs: dict, ufunc) -> None:
+    """x := v0 op v1 op ... op v(n-1), left to right, where v(rank) is x itself."""
+    order = sorted([*bufs, rank])
+    if order[0] == rank:
+        acc = x
+    else:
+        acc = bufs[order[0]]
+    for j in order[1:]:
+        if j == rank:
+            ufunc(acc, x, out=x)
+            acc = x
+        else:
+            ufunc(acc, bufs[j], out=acc)
+    if acc is not x:
+        np.copyto(x, acc)
+
+
+def _all_reduce_ring(s: Step, x: np.ndarray, ufunc, finish) -> None:
+    n, rank = s.size, s.rank
+    nxt, prv = (rank + 1) % n, (rank - 1) % n
+    seg = [x[a:b] for a, b in bounds(x.size, n)]
+    # reduce-scatter: after n-1 steps this rank holds the full reduction of segment rank+1
+    for step in range(n - 1):
+        out_i, in_i = (rank - step) % n, (rank - step - 1) % n
+        s.run(s.send(nxt, seg[out_i]), s.reduce_from(prv, seg[in_i], ufunc))
+    own = seg[(rank + 1) % n]
+    if finish is not None:
+        finish(own)
+    # all-gather: pass the finished segments around the ring
+    for step in range(n - 1):
+        out_i, in_i = (rank + 1 - step) % n, (rank - step) % n
+        s.run(s.send(nxt, seg[out_i]), s.recv(prv, seg[in_i]))
+
+
+# -- broadcast / reduce ---------------------------------------------------------------------
+def broadcast(s: Step, x: np.ndarray, root: int) -> None:
+    if s.size == 1 or x.size == 0:
+        return
+    if use_direct(x.nbytes, s.size):
+        if s.rank == root:
+            s.run(*(s.send(j, x) for j in range(s.size) if j != root))
+        else:
+            s.run(s.recv(root, x))
+        return
+    # pipelined chain root -> root+1 -> ...: each rank forwards bytes as they arrive
+    n, rank = s.size, s.rank
+    pos = (rank - root) % n
+    nxt, prv = (rank + 1) % n, (rank - 1) % n
+    if pos == 0:
+        s.run(s.send(nxt, x))
+    elif pos == n - 1:
+        s.run(s.recv(prv, x))
+    else:
+        incoming = s.recv(prv, x)
+        s.run(incoming, s.send(nxt, x, gate=incoming))
+
+
+def reduce(s: Step, x: np.ndarray, root: int, ufunc, finish: Callable | None) -> None:
+    """The reduction lands in ``x`` on root; other ranks' ``x`` stays unchanged."""
+    if s.size == 1 or x.size == 0:
+        if finish is not None and s.rank == root:
+            finish(x)
+        return
+    n, rank = s.size, s.rank
+    if use_direct(x.nbytes, n):
+        if rank == root:
+            peers = [j for j in range(n) if j != root]
+            bufs = {j: np.empty_like(x) for j in peers}
+            s.run(*(s.recv(j, bufs[j]) for j in peers))
+            fold_in_rank_order(rank, x, bufs, ufunc)
+        else:
+            s.run(s.send(root, x))
+    else:
+        # pipelined chain root+1 -> root+2 -> ... -> root, partial sums forwarded as they form
+        pos = (rank - root) % n
+        nxt, prv = (rank + 1) % n, (rank - 1) % n
+        if pos == 1:
+            s.run(s.send(nxt, x))
+        elif pos == 0:
+            s.run(s.reduce_from(prv, x, ufunc))
+        else:
+            acc = np.empty_like(x)
+            incoming = s.reduce_from(prv, acc, ufunc, src=x)
+            s.run(incoming, s.send(nxt, acc, gate=incoming))
+    if finish is not None and rank == root:
+        finish(x)
+
+
+# -- gathering and scattering ---------------------------------------------------------------
+def all_gather(s: Step, x: np.ndarray, out: np.ndarray) -> None:
+    n, rank, k = s.size, s.rank, x.size
+    slots = [out[i * k:(i + 1) * k] for i in range(n)]
+    np.copyto(slots[rank], x)
+    if n == 1 or k == 0:
+        return
+    if use_direct(x.nbytes, n):
+        peers = [j for j in range(n) if j != rank]
+        s.run(*(s.send(j, x) for j in peers), *(s.recv(j, slots[j]) for j in peers))
+        return
+    nxt, prv = (rank + 1) % n, (rank - 1) % n
+    for step in range(n - 1):
+        s.run(s.send(nxt, slots[(rank - step) % n]), s.recv(prv, slots[(rank - step - 1) % n]))
+
+
+def gather(s: Step, x: np.ndarray, out: np.ndarray | None, root: int) -> None:
+    n, rank, k = s.size, s.rank, x.size
+    if rank != root:
+        s.run(s.send(root, x))
+        return
+    slots = [out[i * k:(i + 1) * k] for i in range(n)]
+    np.copyto(slots[rank], x)
+    s.run(*(s.recv(j, slots[j]) for j in range(n) if j != root))
+
+
+def scatter(s: Step, x: np.ndarray | None, out: np.ndarray, root: int) -> None:
+    n, rank, k = s.size, s.rank, out.size
+    if rank != root:
+        s.run(s.recv(root, out))
+        return
+    slots = [x[i * k:(i + 1) * k] for i in range(n)]
+    np.copyto(out, slots[rank])
+    s.run(*(s.send(j, slots[j]) for j in range(n) if j != root))
+
+
+def all_to_all(s: Step, x: np.ndarray, out: np.ndarray) -> None:
+    n, rank = s.size, s.rank
+    k = x.size // n
+    xs = [x[i * k:(i + 1) * k] for i in range(n)]
+    outs = [out[i * k:(i + 1) * k] for i in range(n)]
+    np.copyto(outs[rank], xs[rank])
+    peers = [j for j in range(n) if j != rank]
+    s.run(*(s.send(j, xs[j]) for j in peers), *(s.recv(j, outs[j]) for j in peers))
+
+
+def reduce_scatter(s: Step, x: np.ndarray, out: np.ndarray, ufunc, finish) -> None:
+    """``out`` := slot ``rank`` of ``x`` reduced over ranks; ``x`` stays unchanged."""
+    n, rank, k = s.size, s.rank, out.size
+    xs = [x[i * k:(i + 1) * k] for i in range(n)]
+    if n == 1 or k == 0:
+        np.copyto(out, xs[rank])
+    elif use_direct(out.nbytes, n):
+        peers = [j for j in range(n) if j != rank]
+        bufs = {j: np.empty_like(out) for j in peers}
+        s.run(*(s.send(j, xs[j]) for j in peers), *(s.recv(j, bufs[j]) for j in peers))
+        np.copyto(out, xs[rank])
+        fold_in_rank_order(rank, out, bufs, ufunc)
+    else:
+        _reduce_scatter_ring(s, xs, out, ufunc)
+    if finish is not None:
+        finish(out)
+
+
+def _reduce_scatter_ring(s: Step, xs: list, out: np.ndarray, ufunc) -> None:
+    """Partial sums travel the ring; slot j gathers ranks j+1, j+2, ... and ends on rank j."""
+    n, rank = s.size, s.rank
+    nxt, prv = (rank + 1) % n, (rank - 1) % n
+    bufs = [np.empty_like(out), np.empty_like(out)] if n > 2 else [None]
+    outgoing = xs[(rank - 1) % n]
+    for step in range(n - 1):
+        slot = (rank - step - 2) % n
+        acc = out if step == n - 2 else bufs[step % 2]
+        s.run(s.send(nxt, outgoing), s.reduce_from(prv, acc, ufunc, src=xs[slot]))
+        outgoing = acc
+
+
+# -- point to point and barrier -------------------------------------------------------------
+def barrier(s: Step) -> None:
+    """Dissemination barrier: ceil(log2 n) rounds of one-byte messages."""
+    token, got = np.zeros(1, np.uint8), np.zeros(1, np.uint8)
+    dist = 1
+    while dist < s.size:
+        s.run(s.send((s.rank + dist) % s.size, token), s.recv((s.rank - dist) % s.size, got))
+        dist *= 2

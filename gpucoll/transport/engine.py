@@ -1,0 +1,196 @@
+"""Drive several sends and receives to completion from one thread, with deadlines.
+
+A collective step is a handful of ops (send these bytes to rank a, receive or reduce those from
+rank b). ``Engine.run`` lets every op move whatever its link accepts now, round-robin, so sends
+and receives overlap and nothing deadlocks on full buffers. With nothing to do it spins briefly,
+then yields the core, then sleeps on this rank's doorbell (an eventfd that peers, and the
+failure monitor, ring) and on its TCP sockets: waiting ranks never starve busy ones.
+"""
+
+from __future__ import annotations
+
+import os
+import select
+import time
+from collections.abc import Sequence
+
+import numpy as np
+
+from gpucoll.errors import CollectiveTimeout, GpucollError, PeerFailure
+
+SPIN_S = 50e-6  # busy polling before yielding: peers on other cores answer within this
+YIELD_S = 200e-6  # sched_yield before sleeping on the doorbell
+NAP_MS = 2  # longest sleep between re-checks (covers a doorbell raced past)
+
+
+class Op:
+    """Part of a collective step: move ``nbytes`` to or from ``link``."""
+
+    __slots__ = ("link", "nbytes", "off", "sending")
+
+    def __init__(self, link, nbytes: int, sending: bool):
+        self.link = link
+        self.nbytes = nbytes
+        self.off = 0
+        self.sending = sending
+
+
+class Send(Op):
+    """Send the bytes of ``arr``; with ``gate`` only those ``gate`` has received so far."""
+
+    __slots__ = ("mv", "item", "gate")
+
+    def __init__(self, link, arr: np.ndarray, gate: Op | None = None):
+        super().__init__(link, arr.nbytes, True)
+        self.mv = memoryview(arr.view(np.uint8))
+        self.item = arr.itemsize
+        self.gate = gate
+
+    def blocked_on_gate(self) -> bool:
+        return self.gate is not None and self.gate.off - self.off < self.item \
+            and self.gate.off < self.gate.nbytes
+
+    def step(self) -> int:
+        end = self.nbytes if self.gate is None else self.gate.off
+        if self.off >= end:
+            return 0
+        n = self.link.send_some(self.mv, self.off, end, self.item)
+        self.off += n
+        return n
+
+
+class Recv(Op):
+    """Receive ``arr.nbytes`` bytes into ``arr``."""
+
+    __slots__ = ("mv",)
+
+    def __init__(self, link, arr: np.ndarray):
+        super().__init__(link, arr.nbytes, False)
+        self.mv = memoryview(arr.view(np.uint8))
+
+    def step(self) -> int:
+        n = self.link.recv_copy(self.mv, self.off, self.nbytes)
+        self.off += n
+        return n
+
+
+class RecvReduce(Op):
+    """Receive ``acc.size`` elements and store ``ufunc(src, incoming)`` into ``acc``."""
+
+    __slots__ = ("acc", "src", "ufunc")
+
+    def __init__(self, link, acc: np.ndarray, ufunc, src: np.ndarray | None = None):
+        super().__init__(link, acc.nbytes, False)
+        self.acc = acc
+        self.src = acc if src is None else src
+        self.ufunc = ufunc
+
+    def step(self) -> int:
+        n = self.link.recv_reduce(self.acc, self.src, self.ufunc, self.off, self.nbytes)
+        self.off += n
+        return n
+
+
+class State:
+    """What the failure monitor tells the engine: the first failure, and who closed cleanly."""
+
+    def __init__(self):
+        self.failure: GpucollError | None = None
+        self.closed_peers: set[int] = set()
+
+
+class Engine:
+    """Runs ops for one rank; ``links[peer]`` is a TcpLink or ShmLink (None for self)."""
+
+    def __init__(self, rank: int, links: list, bell: int, state: State, oversubscribed: bool):
+        self.rank = rank
+        self.links = links
+        self.bell = bell
+        self.state = state
+        self.spin_s = 5e-6 if oversubscribed else SPIN_S
+        self.poller = select.poll()
+        self.poller.register(bell, select.POLLIN)
+
+    def run(self, ops: Sequence[Op], deadline: float, opname: str) -> None:
+        """Complete every op by ``deadline`` (time.monotonic) or raise naming the peer."""
+        pending = [op for op in ops if op.nbytes]
+        idle_since = 0.0
+        state = self.state
+        while pending:
+            moved = False
+            for op in pending:
+                if op.step():
+                    moved = True
+            if moved:
+                finished = [op for op in pending if op.off >= op.nbytes]
+                for op in finished:
+                    pending.remove(op)
+                    if op.sending:
+                        op.link.end_send()
+                    else:
+                        op.link.end_recv()
+                idle_since = 0.0
+                continue
+            if state.failure is not None:
+                raise state.failure
+            now = time.monotonic()
+            if not idle_since:
+                idle_since = now
+            idle = now - idle_since
+            if now >= deadline:
+                raise self._timeout(pending, opname, deadline, idle)
+            if idle < self.spin_s:
+                continue
+            if idle < self.spin_s + YIELD_S:
+                os.sched_yield()
+                continue
+            self._sleep(pending, deadline)
+
+    def _timeout(self, pending, opname, deadline, idle) -> CollectiveTimeout:
+        op = pending[0]
+        verb = "send to" if op.sending else "receive from"
+        return CollectiveTimeout(
+            f"{opname} on rank {self.rank} timed out: waiting to {verb} rank {op.link.peer} "
+            f"({op.off} of {op.nbytes} bytes done)"
+        )
+
+    def _sleep(self, pending, deadline: float) -> None:
+        """Block until a doorbell, a socket or a short nap says something may have changed."""
+        pending = [op for op in pending if not (op.sending and op.blocked_on_gate())]
+        shm = [op for op in pending if op.link.kind == "shm"]
+        for op in shm:
+            op.link.sleep_flags(op.sending, not op.sending, 1)
+        try:
+            if any(op.link.can_send() if op.sending else op.link.can_recv() for op in shm):
+                return
+            self._check_closed(shm)
+            masks: dict[int, int] = {}
+            for op in pending:
+                if op.link.kind == "tcp":
+                    mask = select.POLLOUT if op.sending else select.POLLIN
+                    masks[op.link.fd] = masks.get(op.link.fd, 0) | mask
+            for fd, mask in masks.items():
+                self.poller.register(fd, mask)
+            try:
+                wait_ms = min(NAP_MS, max((deadline - time.monotonic()) * 1000, 0))
+                events = self.poller.poll(wait_ms)
+            finally:
+                for fd in masks:
+                    self.poller.unregister(fd)
+            if any(fd == self.bell for fd, _ in events):
+                try:
+                    os.eventfd_read(self.bell)
+                except BlockingIOError:
+                    pass
+        finally:
+            for op in shm:
+                op.link.sleep_flags(op.sending, not op.sending, 0)
+
+    def _check_closed(self, shm_ops) -> None:
+        """A peer that closed cleanly will never write to its ring again."""
+        closed = self.state.closed_peers
+        for op in shm_ops:
+            if op.link.peer in closed:
+                raise PeerFailure(
+                    f"rank {op.link.peer} closed its communicator while rank {self.rank} "
+                    f"still expected data from it", peer=op.link.peer)

@@ -1,0 +1,255 @@
+"""Connect every rank of a group to every other, meeting through the store.
+
+Each rank publishes where it listens (a TCP port and an abstract Unix socket name, which leaves no
+file behind) and which host it runs on (hostname + boot id). Every pair then gets a control
+connection, watched for liveness by ``gpucoll.transport.monitor``, and a data link: shared-memory
+rings when both ranks share a host (unless TCP is forced), a TCP connection otherwise. The
+higher rank of a pair connects; the lower accepts, so set-up never waits in a cycle.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import select
+import socket
+import time
+import uuid
+
+from gpucoll.errors import BackendUnavailable, CollectiveTimeout, PeerFailure
+from gpucoll.transport import shm, tcp
+
+TRANSPORTS = ("auto", "shm", "tcp")
+CONTROL, DATA = b"c", b"d"
+
+
+def host_identity() -> str:
+    """Same string on two ranks = same kernel, so shared memory can join them."""
+    try:
+        with open("/proc/sys/kernel/random/boot_id") as f:
+            boot = f.read().strip()
+    except OSError:
+        boot = "unknown-boot"
+    return f"{socket.gethostname()}/{boot}"
+
+
+def resolve_transport(transport: str) -> str:
+    """``transport="auto"`` defers to GPUCOLL_TRANSPORT; ValueError on anything unknown."""
+    if transport == "auto":
+        transport = os.environ.get("GPUCOLL_TRANSPORT", "auto").strip().lower() or "auto"
+        source = "GPUCOLL_TRANSPORT"
+    else:
+        source = "transport"
+    if transport not in TRANSPORTS:
+        raise ValueError(f"{source}={transport!r} is not one of {', '.join(TRANSPORTS)}")
+    return transport
+
+
+def _store_host(store) -> str | None:
+    """The store's host, looked up through PrefixStore-like wrappers."""
+    seen = 0
+    while store is not None and seen < 8:
+        host = getattr(store, "host", None)
+        if isinstance(host, str):
+            return host
+        store = getattr(store, "store", None) or getattr(store, "_store", None)
+        seen += 1
+    return None
+
+
+def advertised_host(store) -> str:
+    """The address other hosts reach this rank at: GPUCOLL_HOST_ADDR, else the local address
+    of the route to the store, else the hostname's address."""
+    env = os.environ.get("GPUCOLL_HOST_ADDR")
+    if env:
+        return env
+    target = _store_host(store)
+    if target:
+        try:
+            with socket.socket(socket.AF_INET, socket.SOCK_DGRAM) as probe:
+                probe.connect((target, 9))  # no packet is sent: this only picks a route
+                return probe.getsockname()[0]
+        except OSError:
+            pass
+    try:
+        return socket.gethostbyname(socket.gethostname())
+    except OSError:
+        return "127.0.0.1"
+
+
+def _listen_unix(name: str, backlog: int) -> socket.socket:
+    sock = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
+    sock.bind("\0" + name)
+    sock.listen(backlog)
+    return sock
+
+
+class Mesh:
+    """Every connection of one rank: ``control[peer]``, ``links[peer]``, own doorbell."""
+
+    def __init__(self, store, rank: int, size: int, *, timeout: float, transport: str = "auto"):
+        self.rank, self.size = rank, size
+        self.transport = resolve_transport(transport)
+        self.control: dict[int, socket.socket] = {}
+        self.links: list = [None] * size
+        self.bell = os.eventfd(0, os.EFD_NONBLOCK | os.EFD_CLOEXEC)
+        self.local_ranks = 1
+        self._listeners: list[socket.socket] = []
+        try:
+            self._build(store, timeout)
+        except BaseException:
+            self.close()
+            raise
+        finally:
+            for sock in self._listeners:
+                sock.close()
+            self._listeners = []
+
+    # -- set-up ----------------------------------------------------------------------------
+    def _build(self, store, timeout: float) -> None:
+        deadline = time.monotonic() + timeout
+        rank, size = self.rank, self.size
+        nonce = uuid.uuid4().bytes
+        prefix = os.environ.get("GPUCOLL_SHM_PREFIX", "gpucoll")
+        tcp_listener = tcp.listen_tcp(2 * size + 16)
+        unix_name = f"{prefix}-{nonce.hex()}-{rank}"
+        unix_listener = _listen_unix(unix_name, 2 * size + 16)
+        self._listeners = [tcp_listener, unix_listener]
+        me = {"host": advertised_host(store), "port": tcp_listener.getsockname()[1],
+              "unix": unix_name, "id": host_identity(), "nonce": nonce.hex()}
+        store.set(f"ring/addr/{rank}", json.dumps(me))
+        peers = self._gather_addresses(store, deadline)
+        kinds = [self._pair_kind(me, peers[j], j) for j in range(size)]
+        self.local_ranks = sum(1 for p in peers if p["id"] == me["id"])
+        data: dict[int, socket.socket] = {}
+        for j in range(rank):
+            self._connect(j, peers[j], kinds[j], data, deadline)
+        self._accept(kinds, nonce, data, deadline)
+        for j, sock in data.items():
+            self.links[j] = tcp.TcpLink(j, sock)
+        shm_peers = [j for j in range(size) if kinds[j] == "shm"]
+        if shm_peers:
+            self._share_rings(shm_peers, prefix, deadline)
+
+    def _gather_addresses(self, store, deadline: float) -> list[dict]:
+        keys = [f"ring/addr/{j}" for j in range(self.size)]
+        try:
+            store.wait(keys, timeout=max(deadline - time.monotonic(), 0.001))
+        except TimeoutError as exc:
+            missing = [k for k in keys if not store.check([k])]
+            raise CollectiveTimeout(
+                f"ring set-up on rank {self.rank}: ranks did not publish their addresses in time "
+                f"(missing {', '.join(missing) or '?'})") from exc
+        return [json.loads(v) for v in store.multi_get(keys)]
+
+    def _pair_kind(self, me: dict, peer: dict, j: int) -> str | None:
+        if j == self.rank:
+            return None
+        same = me["id"] == peer["id"]
+        if self.transport == "shm" and not same:
+            raise BackendUnavailable(
+                f"transport='shm' needs every rank on one host, but rank {j} runs on "
+                f"{peer['id'].split('/')[0]} and rank {self.rank} on {me['id'].split('/')[0]}")
+        return "shm" if same and self.transport != "tcp" else "tcp"
+
+    def _connect(self, j: int, peer: dict, kind: str, data: dict, deadline: float) -> None:
+        what = f"rank {j}"
+        hello = bytes.fromhex(peer["nonce"])
+        if kind == "shm":
+            sock = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
+            try:
+                sock.settimeout(max(deadline - time.monotonic(), 0.001))
+                sock.connect("\0" + peer["unix"])
+                sock.settimeout(None)
+            except BaseException:
+                sock.close()
+                raise
+            self.control[j] = sock
+            tcp.send_all(sock, tcp.HELLO.pack(hello, self.rank, CONTROL), deadline, what)
+            return
+        host = "127.0.0.1" if peer["id"] == host_identity() else peer["host"]
+        for channel in (CONTROL, DATA):
+            sock = tcp.connect_tcp(host, peer["port"], deadline, what)
+            (self.control if channel == CONTROL else data)[j] = sock
+            tcp.send_all(sock, tcp.HELLO.pack(hello, self.rank, channel), deadline, what)
+
+    def _accept(self, kinds: list, nonce: bytes, data: dict, deadline: float) -> None:
+        expected = set()
+        for j in range(self.rank + 1, self.size):
+            expected.add((j, CONTROL))
+            if kinds[j] == "tcp":
+                expected.add((j, DATA))
+        while expected:
+            remaining = deadline - time.monotonic()
+            if remaining <= 0:
+                missing = sorted({j for j, _ in expected})
+                raise CollectiveTimeout(
+                    f"ring set-up on rank {self.rank}: ranks {missing} did not connect in time")
+            ready, _, _ = select.select(self._listeners, [], [], remaining)
+            for listener in ready:
+                sock, _ = listener.accept()
+                try:
+                    if sock.family == socket.AF_INET:
+                        tcp.tune(sock)
+                    got, j, channel = tcp.HELLO.unpack(
+                        tcp.recv_exact(sock, tcp.HELLO.size, deadline, "a connecting rank"))
+                except BaseException:
+                    sock.close()
+                    raise
+                if got != nonce or (j, channel) not in expected:
+                    sock.close()  # a stray or repeated connection, not one of ours
+                    continue
+                expected.discard((j, channel))
+                (self.control if channel == CONTROL else data)[j] = sock
+
+    def _share_rings(self, shm_peers: list[int], prefix: str, deadline: float) -> None:
+        """Create each inbound ring, pass it and our doorbell to the peer, map theirs."""
+        cap = shm.ring_bytes(len(shm_peers))
+        inbound: dict[int, shm.Ring] = {}
+        for j in shm_peers:
+            fd = shm.create_segment(f"{prefix}-ring-{j}to{self.rank}", cap)
+            try:
+                inbound[j] = shm.Ring(fd)
+                socket.send_fds(self.control[j], [b"R"], [fd, self.bell])
+            finally:
+                os.close(fd)
+        for j in shm_peers:
+            sock = self.control[j]
+            sock.settimeout(max(deadline - time.monotonic(), 0.001))
+            try:
+                msg, fds, _, _ = socket.recv_fds(sock, 1, 2)
+            except TimeoutError:
+                raise CollectiveTimeout(
+                    f"ring set-up on rank {self.rank}: rank {j} did not share its memory in time"
+                ) from None
+            finally:
+                sock.settimeout(None)
+            if msg != b"R" or len(fds) != 2:
+                for fd in fds:
+                    os.close(fd)
+                raise PeerFailure(f"rank {j} left during ring set-up", peer=j)
+            ring_fd, peer_bell = fds
+            try:
+                outbound = shm.Ring(ring_fd)
+            finally:
+                os.close(ring_fd)
+            self.links[j] = shm.ShmLink(j, outbound, inbound.pop(j), peer_bell)
+        for ring in inbound.values():
+            ring.close()
+
+    # -- tear-down -------------------------------------------------------------------------
+    def close(self) -> None:
+        """Close every link, control connection and the doorbell; idempotent."""
+        for i, link in enumerate(self.links):
+            if link is not None:
+                link.close()
+                self.links[i] = None
+        for sock in self.control.values():
+            try:
+                sock.close()
+            except OSError:
+                pass
+        self.control = {}
+        if self.bell >= 0:
+            os.close(self.bell)
+            self.bell = -1

@@ -1,0 +1,174 @@
+"""Shared memory between ranks on one host: a single-producer ring per direction.
+
+Each ring lives in an anonymous ``memfd`` whose descriptor travels to the peer over a Unix
+socket, so the segment has no name in /dev/shm at any moment: nothing is left behind when a
+process is killed, and the kernel frees the memory once both sides have unmapped it.
+
+Layout: a 256-byte header of counters (the sender owns ``head`` and ``tx_sleep``, the receiver
+``tail`` and ``rx_sleep``, on separate cache lines), then ``cap`` data bytes. Counters only grow;
+data is published by storing ``head`` after the copy (x86-64 keeps stores in order). Every message
+starts 16-byte aligned and pieces are whole elements, so a receiver reduces typed views of the
+ring directly, without a staging copy. A side that is about to block sets its sleep flag and the
+other side rings its eventfd doorbell.
+"""
+
+from __future__ import annotations
+
+import mmap
+import os
+
+import numpy as np
+
+HEADER = 256
+HEAD, TX_SLEEP, TAIL, RX_SLEEP = 0, 1, 16, 17  # int64 slots of the header
+PIECE = 1 << 20  # bytes moved per step, so the peer can work on the previous piece meanwhile
+
+
+def _align16(n: int) -> int:
+    return (n + 15) & ~15
+
+
+def ring_bytes(local_peers: int) -> int:
+    """Data bytes of one ring: 4 MiB, less when many ranks share the host (all multiples of 16)."""
+    env = os.environ.get("GPUCOLL_SHM_RING_BYTES")
+    if env:
+        return max(_align16(int(env)), 4096)
+    return max(4 << 20 >> max(local_peers - 8, 0).bit_length(), 256 << 10)
+
+
+def create_segment(name: str, cap: int) -> int:
+    """An anonymous shared segment of ``HEADER + cap`` bytes; its file descriptor."""
+    fd = os.memfd_create(name, os.MFD_CLOEXEC)
+    try:
+        os.ftruncate(fd, HEADER + cap)
+    except OSError:
+        os.close(fd)
+        raise
+    return fd
+
+
+class Ring:
+    """One mapped ring; ``cap`` is taken from the segment's size."""
+
+    def __init__(self, fd: int):
+        size = os.fstat(fd).st_size
+        self.cap = size - HEADER
+        self._mm = mmap.mmap(fd, size)
+        self.ctl = memoryview(self._mm)[:HEADER].cast("q")
+        self.data = np.frombuffer(self._mm, dtype=np.uint8, count=self.cap, offset=HEADER)
+        self.mv = memoryview(self.data)
+
+    def close(self) -> None:
+        self.ctl.release()
+        self.mv.release()
+        self.data = None
+        try:
+            self._mm.close()
+        except BufferError:  # a caller still holds a view; the mapping dies with the process
+            pass
+
+
+class ShmLink:
+    """Send ring to one peer, receive ring from it, and the peer's doorbell."""
+
+    kind = "shm"
+
+    def __init__(self, peer: int, tx: Ring, rx: Ring, peer_bell: int):
+        self.peer = peer
+        self.tx = tx
+        self.rx = rx
+        self.bell = peer_bell
+        self._head = 0  # bytes this side published into tx (aligned at message ends)
+        self._pos = 0  # bytes this side consumed from rx
+        self.peer_closed = False
+
+    def _ring_peer(self) -> None:
+        try:
+            os.eventfd_write(self.bell, 1)
+        except OSError:  # the peer is gone; its monitor connection reports that
+            pass
+
+    # -- sending ---------------------------------------------------------------------------
+    def send_some(self, mv: memoryview, off: int, end: int, item: int = 16) -> int:
+        """Copy what fits of ``mv[off:end]`` into the ring; bytes written."""
+        tx = self.tx
+        head = self._head
+        cap = tx.cap
+        free = cap - (head - tx.ctl[TAIL])
+        p = head % cap
+        k = min(end - off, free, cap - p, PIECE)
+        k -= k % item
+        if k <= 0:
+            return 0
+        tx.mv[p:p + k] = mv[off:off + k]
+        head += k
+        self._head = head
+        tx.ctl[HEAD] = head
+        if tx.ctl[RX_SLEEP]:
+            self._ring_peer()
+        return k
+
+    def can_send(self) -> bool:
+        return self.tx.cap - (self._head - self.tx.ctl[TAIL]) > 0
+
+    def end_send(self) -> None:
+        self._head = _align16(self._head)
+
+    # -- receiving -------------------------------------------------------------------------
+    def _available(self, remaining: int) -> tuple[int, int]:
+        rx = self.rx
+        pos = self._pos
+        p = pos % rx.cap
+        return p, min(rx.ctl[HEAD] - pos, remaining, rx.cap - p, PIECE)
+
+    def _consumed(self, k: int) -> None:
+        rx = self.rx
+        self._pos += k
+        rx.ctl[TAIL] = self._pos
+        if rx.ctl[TX_SLEEP]:
+            self._ring_peer()
+
+    def recv_copy(self, mv: memoryview, off: int, end: int) -> int:
+        p, k = self._available(end - off)
+        if k <= 0:
+            return 0
+        mv[off:off + k] = self.rx.mv[p:p + k]
+        self._consumed(k)
+        return k
+
+    def recv_reduce(self, acc: np.ndarray, src: np.ndarray, ufunc, off: int, end: int) -> int:
+        """Fold the next available bytes into ``acc``: ``acc[i] = ufunc(src[i], incoming[i])``."""
+        p, k = self._available(end - off)
+        if k <= 0:
+            return 0
+        item = acc.itemsize
+        first, count = off // item, k // item
+        incoming = self.rx.data[p:p + k].view(acc.dtype)
+        ufunc(src[first:first + count], incoming, out=acc[first:first + count])
+        self._consumed(k)
+        return k
+
+    def can_recv(self) -> bool:
+        return self.rx.ctl[HEAD] - self._pos > 0
+
+    def end_recv(self) -> None:
+        aligned = _align16(self._pos)
+        if aligned != self._pos:
+            self._pos = aligned
+            self.rx.ctl[TAIL] = aligned
+
+    # -- sleeping --------------------------------------------------------------------------
+    def sleep_flags(self, sending: bool, receiving: bool, value: int) -> None:
+        """Announce (value=1) or withdraw (0) that this side waits on the peer."""
+        if sending:
+            self.tx.ctl[TX_SLEEP] = value
+        if receiving:
+            self.rx.ctl[RX_SLEEP] = value
+
+    def close(self) -> None:
+        self.tx.close()
+        self.rx.close()
+        try:
+            os.close(self.bell)
+        except OSError:
+            pass

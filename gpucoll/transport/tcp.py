@@ -1,0 +1,172 @@
+"""TCP between any two ranks: socket set-up helpers and a non-blocking byte link.
+
+Links never block: ``send_some``/``recv_*`` move what the kernel accepts now and return, so one
+thread can drive a send and a receive at the same time (a ring step never deadlocks on full
+socket buffers). Waiting happens in ``gpucoll.transport.engine``.
+"""
+
+from __future__ import annotations
+
+import select
+import socket
+import struct
+import time
+
+import numpy as np
+
+from gpucoll.errors import CollectiveTimeout, PeerFailure
+
+SOCKET_BUFFER = 4 << 20  # the kernel clamps this to net.core.[rw]mem_max
+PIECE = 1 << 20  # bytes handed to one send()/recv() call
+STAGING = 1 << 20  # receive buffer for reductions over TCP
+
+
+def tune(sock: socket.socket) -> None:
+    """Low latency and large buffers on a data or control connection; probes for dead hosts."""
+    sock.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
+    for opt in (socket.SO_SNDBUF, socket.SO_RCVBUF):
+        sock.setsockopt(socket.SOL_SOCKET, opt, SOCKET_BUFFER)
+    # a host that vanishes without a FIN is noticed after ~4 s of silence
+    sock.setsockopt(socket.SOL_SOCKET, socket.SO_KEEPALIVE, 1)
+    for name, value in (("TCP_KEEPIDLE", 2), ("TCP_KEEPINTVL", 1), ("TCP_KEEPCNT", 2)):
+        if hasattr(socket, name):
+            sock.setsockopt(socket.IPPROTO_TCP, getattr(socket, name), value)
+
+
+def listen_tcp(backlog: int) -> socket.socket:
+    """A listening socket on every interface, port chosen by the OS."""
+    sock = socket.socket(socket.AF_INET, socket.SOCK_STREAM)
+    sock.bind(("0.0.0.0", 0))
+    sock.listen(backlog)
+    return sock
+
+
+def connect_tcp(host: str, port: int, deadline: float, what: str) -> socket.socket:
+    """Connect, retrying refused attempts until ``deadline``; CollectiveTimeout naming ``what``."""
+    delay = 0.01
+    while True:
+        remaining = deadline - time.monotonic()
+        if remaining <= 0:
+            raise CollectiveTimeout(f"could not connect to {what} at {host}:{port} in time")
+        try:
+            sock = socket.create_connection((host, port), timeout=remaining)
+            sock.settimeout(None)
+            tune(sock)
+            return sock
+        except (TimeoutError, ConnectionRefusedError, ConnectionResetError):
+            time.sleep(min(delay, max(remaining, 0)))
+            delay = min(delay * 2, 0.2)
+
+
+def send_all(sock: socket.socket, data: bytes, deadline: float, what: str) -> None:
+    """Blocking send of a small set-up message, bounded by ``deadline``."""
+    sock.settimeout(max(deadline - time.monotonic(), 0.001))
+    try:
+        sock.sendall(data)
+    except TimeoutError:
+        raise CollectiveTimeout(f"sending to {what} did not finish in time") from None
+    finally:
+        sock.settimeout(None)
+
+
+def recv_exact(sock: socket.socket, n: int, deadline: float, what: str) -> bytes:
+    """Blocking receive of exactly ``n`` set-up bytes; PeerFailure on EOF."""
+    buf = bytearray()
+    while len(buf) < n:
+        remaining = deadline - time.monotonic()
+        if remaining <= 0:
+            raise CollectiveTimeout(f"waiting for {what} timed out")
+        ready, _, _ = select.select([sock], [], [], remaining)
+        if not ready:
+            continue
+        chunk = sock.recv(n - len(buf))
+        if not chunk:
+            raise PeerFailure(f"{what} closed the connection during set-up")
+        buf += chunk
+    return bytes(buf)
+
+
+HELLO = struct.Struct("!16sIc")  # listener's nonce, connecting rank, connection kind
+
+
+class TcpLink:
+    """A non-blocking byte stream to one peer over a connected socket."""
+
+    kind = "tcp"
+
+    def __init__(self, peer: int, sock: socket.socket):
+        self.peer = peer
+        self.sock = sock
+        sock.setblocking(False)
+        self.fd = sock.fileno()
+        self._staging = np.empty(STAGING + 16, dtype=np.uint8)
+        self._stage_mv = memoryview(self._staging)
+        self._staged = 0  # bytes in staging not yet reduced (less than one element)
+
+    def _dead(self, exc: BaseException | None = None) -> PeerFailure:
+        why = f" ({exc})" if exc else ""
+        return PeerFailure(f"rank {self.peer} closed its connection{why}", peer=self.peer)
+
+    def send_some(self, mv: memoryview, off: int, end: int, item: int = 1) -> int:
+        """Send from ``mv[off:end]`` what the kernel takes now; bytes sent."""
+        try:
+            return self.sock.send(mv[off:min(end, off + PIECE)])
+        except BlockingIOError:
+            return 0
+        except (ConnectionError, OSError) as exc:
+            raise self._dead(exc) from None
+
+    def recv_copy(self, mv: memoryview, off: int, end: int) -> int:
+        """Receive straight into ``mv[off:end]``; bytes received."""
+        try:
+            n = self.sock.recv_into(mv[off:end], min(end - off, PIECE))
+        except BlockingIOError:
+            return 0
+        except (ConnectionError, OSError) as exc:
+            raise self._dead(exc) from None
+        if n == 0:
+            raise self._dead()
+        return n
+
+    def recv_reduce(self, acc: np.ndarray, src: np.ndarray, ufunc, off: int, end: int) -> int:
+        """Receive bytes ``off:end`` of a message and fold them into ``acc`` (elements).
+
+        ``acc[i] = ufunc(src[i], incoming[i])``; whole elements are folded as they arrive, a
+        partial element waits in the staging buffer. Returns bytes received.
+        """
+        item = acc.itemsize
+        staged = self._staged
+        want = min(end - off, STAGING - staged)
+        try:
+            n = self.sock.recv_into(self._stage_mv[staged:staged + want], want)
+        except BlockingIOError:
+            return 0
+        except (ConnectionError, OSError) as exc:
+            raise self._dead(exc) from None
+        if n == 0:
+            raise self._dead()
+        have = staged + n
+        whole = have - have % item
+        if whole:
+            first = (off - staged) // item
+            count = whole // item
+            incoming = self._staging[:whole].view(acc.dtype)
+            ufunc(src[first:first + count], incoming, out=acc[first:first + count])
+            rest = have - whole
+            if rest:
+                self._staging[:rest] = self._staging[whole:have]
+            have = rest
+        self._staged = have
+        return n
+
+    def end_send(self) -> None:
+        """A message ended (TCP needs no padding)."""
+
+    def end_recv(self) -> None:
+        self._staged = 0
+
+    def close(self) -> None:
+        try:
+            self.sock.close()
+        except OSError:
+            pass
