@@ -62,7 +62,9 @@ def choose_backend(requested: str, store: Any, rank: int, size: int) -> tuple[st
     """
     if requested != "auto":
         return requested, f"backend={requested!r} was requested"
-    return "ring", "auto: the host ring (NCCL selection is not available)"
+    from gpucoll.backends.nccl_auto import agree
+
+    return agree(store, rank, size, float(getattr(store, "timeout", 300.0)))
 
 
 def create_backend(requested: str, store: Any, rank: int, size: int, *, timeout: float,
