@@ -1,0 +1,283 @@
+"""Rendezvous: who am I, how many are we, and where do we meet -- read from the launcher.
+
+``from_env()`` reads the environment once into a frozen ``Rendezvous``. Launchers are tried in
+this order, the first whose rank variables are present wins: gpucoll's own (``gpucoll run``),
+torchrun, Open MPI, MPICH/Intel MPI, Slurm. MPI comes before Slurm because ``mpirun`` inside an
+``sbatch`` script leaves the batch step's ``SLURM_PROCID=0`` in every rank's environment.
+
+The store address, from the first of these that is set:
+  1. ``GPUCOLL_STORE=tcp://host:port``  a store that is already running (the launcher's);
+  2. ``GPUCOLL_MASTER_ADDR`` / ``GPUCOLL_MASTER_PORT``  rank 0 hosts the store there;
+  3. ``MASTER_ADDR`` / ``MASTER_PORT + 1``  (torch.distributed owns ``MASTER_PORT`` itself);
+  4. under Slurm, the first host of ``SLURM_JOB_NODELIST``;
+  5. ``127.0.0.1`` when every rank is on this host (local world size == world size).
+A port that no variable names is derived from the job id (Slurm, Open MPI, PMIx), so two jobs on
+one host do not collide, else ``DEFAULT_PORT``; a world of one rank uses a free port.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import ipaddress
+import os
+import re
+import zlib
+from collections.abc import Mapping
+
+from gpucoll.errors import GpucollError
+
+DEFAULT_PORT = 29510
+_JOB_PORT_BASE, _JOB_PORT_SPAN = 20000, 12000  # below Linux's ephemeral range (32768+)
+
+
+class RendezvousError(GpucollError, ValueError):
+    """The environment does not say who this rank is or where the ranks meet."""
+
+
+@dataclasses.dataclass(frozen=True)
+class Rendezvous:
+    """One rank's place in the job and the address of the job's store."""
+
+    rank: int
+    world_size: int
+    local_rank: int
+    local_world_size: int
+    store_host: str
+    store_port: int
+    store_is_running: bool  # True: connect to a running store; False: rank 0 hosts it
+    token: str | None
+    source: str  # which launcher's variables were read: gpucoll torchrun openmpi mpich slurm
+
+    @property
+    def store_address(self) -> str:
+        host = f"[{self.store_host}]" if ":" in self.store_host else self.store_host
+        return f"tcp://{host}:{self.store_port}"
+
+
+@dataclasses.dataclass(frozen=True)
+class _Source:
+    name: str
+    rank: str
+    size: str
+    local_rank: tuple[str, ...]
+    local_size: tuple[str, ...]
+
+
+_SOURCES = (
+    _Source("gpucoll", "GPUCOLL_RANK", "GPUCOLL_WORLD_SIZE", ("GPUCOLL_LOCAL_RANK",),
+            ("GPUCOLL_LOCAL_WORLD_SIZE",)),
+    _Source("torchrun", "RANK", "WORLD_SIZE", ("LOCAL_RANK",), ("LOCAL_WORLD_SIZE",)),
+    _Source("openmpi", "OMPI_COMM_WORLD_RANK", "OMPI_COMM_WORLD_SIZE",
+            ("OMPI_COMM_WORLD_LOCAL_RANK",), ("OMPI_COMM_WORLD_LOCAL_SIZE",)),
+    _Source("mpich", "PMI_RANK", "PMI_SIZE", ("MPI_LOCALRANKID", "SLURM_LOCALID"),
+            ("MPI_LOCALNRANKS",)),
+    _Source("slurm", "SLURM_PROCID", "SLURM_NTASKS", ("SLURM_LOCALID",), ()),
+)
+
+
+def from_env(environ: Mapping[str, str] | None = None) -> Rendezvous:
+    """This rank's Rendezvous from ``environ`` (default ``os.environ``); RendezvousError if
+    no launcher's variables are present, naming every variable looked for."""
+    env = os.environ if environ is None else environ
+    for src in _SOURCES:
+        if src.rank in env or src.size in env:
+            return _read(env, src)
+    looked = [f"{s.rank}/{s.size}" for s in _SOURCES] + ["SLURM_NPROCS"]
+    raise RendezvousError(
+        "cannot tell this process's rank and world size: none of "
+        f"{', '.join(looked)} is set. Start the job with `gpucoll run`, torchrun, srun or "
+        "mpirun, or set GPUCOLL_RANK and GPUCOLL_WORLD_SIZE (and GPUCOLL_STORE or "
+        "GPUCOLL_MASTER_ADDR/GPUCOLL_MASTER_PORT for several hosts).")
+
+
+def _read(env: Mapping[str, str], src: _Source) -> Rendezvous:
+    size_var = src.size if src.size in env or src.name != "slurm" else "SLURM_NPROCS"
+    rank = _int(env, src.rank, src.name)
+    size = _int(env, size_var, src.name)
+    local_rank, local_size = _local(env, src, rank, size)
+    _check_ranks(src, rank, size, local_rank, local_size)
+    host, port, running = _store_address(env, src.name, size, local_size)
+    return Rendezvous(rank, size, local_rank, local_size, host, port, running,
+                      env.get("GPUCOLL_STORE_TOKEN") or None, src.name)
+
+
+def _local(env: Mapping[str, str], src: _Source, rank: int, size: int) -> tuple[int, int]:
+    """Local rank and local world size; a launcher that names neither means one host."""
+    rank_var = next((v for v in src.local_rank if v in env), None)
+    size_var = next((v for v in src.local_size if v in env), None)
+    if size_var:
+        local_size = _int(env, size_var, src.name)
+    else:  # srun starts MPICH ranks with PMI_* and SLURM_* but no MPI_LOCALNRANKS
+        local_size = _slurm_local_size(env) if src.name in ("slurm", "mpich") else None
+    if rank_var is None and local_size is None:
+        return rank, size
+    local_rank = _int(env, rank_var, src.name) if rank_var else rank % (local_size or size)
+    return local_rank, local_size if local_size is not None else size
+
+
+def _check_ranks(src: _Source, rank: int, size: int, local_rank: int, local_size: int) -> None:
+    if size < 1 or not 0 <= rank < size:
+        raise RendezvousError(f"{src.name} environment: rank {rank} is not in a world of "
+                              f"{size} ({src.rank}, {src.size})")
+    if local_size < 1 or local_size > size or not 0 <= local_rank < local_size:
+        raise RendezvousError(f"{src.name} environment: local rank {local_rank} is not in a "
+                              f"local world of {local_size} (world size {size})")
+
+
+def _int(env: Mapping[str, str], var: str, source: str) -> int:
+    raw = env.get(var)
+    if raw is None:
+        raise RendezvousError(f"{source} environment: {var} is not set")
+    try:
+        return int(raw.strip())
+    except ValueError:
+        raise RendezvousError(f"{source} environment: {var}={raw!r} is not an integer") from None
+
+
+# --------------------------------------------------------------------------- store address
+def _store_address(env: Mapping[str, str], source: str, size: int,
+                   local_size: int) -> tuple[str, int, bool]:
+    if env.get("GPUCOLL_STORE"):
+        from gpucoll.store.client import parse_address
+
+        try:
+            host, port = parse_address(env["GPUCOLL_STORE"])
+        except ValueError as exc:
+            raise RendezvousError(f"GPUCOLL_STORE: {exc}") from None
+        return host, port, True
+    host = env.get("GPUCOLL_MASTER_ADDR") or env.get("MASTER_ADDR") or _slurm_master(env)
+    if not host and local_size == size:
+        host = "127.0.0.1"
+    if not host:
+        raise RendezvousError(
+            f"{source} environment: rank and world size found ({size} ranks on several "
+            "hosts) but not where they meet: set GPUCOLL_STORE=tcp://HOST:PORT (a running "
+            "store) or GPUCOLL_MASTER_ADDR (and GPUCOLL_MASTER_PORT) for rank 0 to host it; "
+            "also looked for MASTER_ADDR and SLURM_JOB_NODELIST")
+    return host, _store_port(env, size), False
+
+
+def _store_port(env: Mapping[str, str], size: int) -> int:
+    if env.get("GPUCOLL_MASTER_PORT"):
+        return _port(env, "GPUCOLL_MASTER_PORT", 0)
+    if env.get("MASTER_PORT"):
+        return _port(env, "MASTER_PORT", 1)
+    job = _job_id(env)
+    if job is not None:
+        return _JOB_PORT_BASE + zlib.crc32(job.encode()) % _JOB_PORT_SPAN
+    return 0 if size == 1 else DEFAULT_PORT
+
+
+def _port(env: Mapping[str, str], var: str, offset: int) -> int:
+    port = _int(env, var, "store address") + offset
+    if not 0 < port < 65536:
+        raise RendezvousError(f"{var}={env[var]!r} does not give a usable store port ({port})")
+    return port
+
+
+def _job_id(env: Mapping[str, str]) -> str | None:
+    """A string every rank of this job (step) shares and other jobs do not."""
+    if env.get("SLURM_JOB_ID"):
+        return f"slurm:{env['SLURM_JOB_ID']}.{env.get('SLURM_STEP_ID', '')}"
+    for var in ("PMIX_NAMESPACE", "OMPI_MCA_ess_base_jobid"):
+        if env.get(var):
+            return f"{var}:{env[var]}"
+    return None
+
+
+# --------------------------------------------------------------------------- Slurm
+def _slurm_master(env: Mapping[str, str]) -> str | None:
+    for var in ("SLURM_STEP_NODELIST", "SLURM_JOB_NODELIST", "SLURM_NODELIST"):
+        if env.get(var):
+            try:
+                return expand_hostlist(env[var])[0]
+            except ValueError as exc:
+                raise RendezvousError(f"{var}: {exc}") from None
+    return None
+
+
+def _slurm_local_size(env: Mapping[str, str]) -> int | None:
+    """Tasks on this node, from SLURM_STEP_TASKS_PER_NODE / SLURM_TASKS_PER_NODE ("2(x3),1")."""
+    spec = env.get("SLURM_STEP_TASKS_PER_NODE") or env.get("SLURM_TASKS_PER_NODE")
+    if not spec:
+        return None
+    counts: list[int] = []
+    for part in spec.split(","):
+        m = re.fullmatch(r"\s*(\d+)(?:\(x(\d+)\))?\s*", part)
+        if m is None:
+            raise RendezvousError(f"SLURM_TASKS_PER_NODE={spec!r} is not like '2(x3),1'")
+        counts += [int(m.group(1))] * int(m.group(2) or 1)
+    node = int(env.get("SLURM_NODEID", "0") or 0)
+    return counts[node] if node < len(counts) else counts[-1]
+
+
+def expand_hostlist(spec: str) -> list[str]:
+    """Expand a Slurm hostlist: ``"gpu[01-03,07],cpu3"`` -> gpu01 gpu02 gpu03 gpu07 cpu3.
+
+    Keeps zero padding (the width of each range's lower bound) and expands several bracket
+    groups in one name (``r[1-2]n[1-2]`` -> r1n1 r1n2 r2n1 r2n2).
+    """
+    hosts = [h for item in _split_top(spec) for h in _expand_one(item)]
+    if not hosts:
+        raise ValueError(f"empty hostlist {spec!r}")
+    return hosts
+
+
+def _split_top(spec: str) -> list[str]:
+    items, depth, start = [], 0, 0
+    for i, ch in enumerate(spec):
+        depth += {"[": 1, "]": -1}.get(ch, 0)
+        if depth not in (0, 1):
+            raise ValueError(f"unbalanced brackets in hostlist {spec!r}")
+        if ch == "," and depth == 0:
+            items.append(spec[start:i])
+            start = i + 1
+    if depth:
+        raise ValueError(f"unbalanced brackets in hostlist {spec!r}")
+    items.append(spec[start:])
+    return [s.strip() for s in items if s.strip()]
+
+
+def _expand_one(item: str) -> list[str]:
+    m = re.match(r"([^\[]*)\[([^\]]*)\](.*)", item)
+    if m is None:
+        return [item]
+    prefix, ranges, rest = m.groups()
+    tails = _expand_one(rest) if rest else [""]
+    return [prefix + n + t for n in _expand_ranges(ranges, item) for t in tails]
+
+
+def _expand_ranges(ranges: str, item: str) -> list[str]:
+    out = []
+    for part in ranges.split(","):
+        m = re.fullmatch(r"\s*(\d+)(?:-(\d+))?\s*", part)
+        if m is None or (m.group(2) and int(m.group(2)) < int(m.group(1))):
+            raise ValueError(f"bad range {part!r} in hostlist item {item!r}")
+        lo, hi = m.group(1), m.group(2) or m.group(1)
+        out += [str(n).zfill(len(lo)) for n in range(int(lo), int(hi) + 1)]
+    return out
+
+
+# --------------------------------------------------------------------------- connecting
+def connect_store(rdv: Rendezvous, timeout: float = 300.0):
+    """The job's store for this rank: rank 0 hosts it (unless it is already running), every
+    other rank connects, retrying until ``timeout`` while rank 0 starts up."""
+    from gpucoll.store import TCPStore
+
+    if rdv.store_is_running or rdv.rank != 0:
+        return TCPStore(rdv.store_host, rdv.store_port, timeout=timeout, token=rdv.token)
+    bind = rdv.store_host if _is_loopback(rdv.store_host) else "0.0.0.0"
+    return TCPStore(bind, rdv.store_port, is_server=True, timeout=timeout, token=rdv.token)
+
+
+def _is_loopback(host: str) -> bool:
+    if host == "localhost":
+        return True
+    try:
+        return ipaddress.ip_address(host).is_loopback
+    except ValueError:
+        return False
+
+
+__all__ = ["DEFAULT_PORT", "Rendezvous", "RendezvousError", "connect_store", "expand_hostlist",
+           "from_env"]

@@ -1,0 +1,237 @@
+"""Rendezvous from each launcher's environment, the Slurm hostlist, and connecting the store."""
+
+from __future__ import annotations
+
+import dataclasses
+import threading
+
+import pytest
+
+from gpucoll.rendezvous import (
+    DEFAULT_PORT,
+    Rendezvous,
+    RendezvousError,
+    connect_store,
+    expand_hostlist,
+    from_env,
+)
+
+
+# ----------------------------------------------------------------------------- launchers
+def test_gpucoll_launcher_environment_names_a_running_store():
+    rdv = from_env({"GPUCOLL_RANK": "3", "GPUCOLL_WORLD_SIZE": "8", "GPUCOLL_LOCAL_RANK": "1",
+                    "GPUCOLL_LOCAL_WORLD_SIZE": "2", "GPUCOLL_STORE": "tcp://node0:4000",
+                    "GPUCOLL_STORE_TOKEN": "t", "RANK": "99"})
+    assert rdv == Rendezvous(3, 8, 1, 2, "node0", 4000, True, "t", "gpucoll")
+
+
+def test_gpucoll_master_addr_makes_rank_0_host_the_store():
+    rdv = from_env({"GPUCOLL_RANK": "0", "GPUCOLL_WORLD_SIZE": "2",
+                    "GPUCOLL_MASTER_ADDR": "10.0.0.1", "GPUCOLL_MASTER_PORT": "5000"})
+    assert (rdv.store_host, rdv.store_port, rdv.store_is_running) == ("10.0.0.1", 5000, False)
+
+
+def test_gpucoll_without_local_variables_means_one_host():
+    rdv = from_env({"GPUCOLL_RANK": "2", "GPUCOLL_WORLD_SIZE": "4"})
+    assert (rdv.local_rank, rdv.local_world_size) == (2, 4)
+    assert (rdv.store_host, rdv.store_port) == ("127.0.0.1", DEFAULT_PORT)
+
+
+def test_torchrun_environment_uses_the_port_after_master_port():
+    rdv = from_env({"RANK": "5", "WORLD_SIZE": "8", "LOCAL_RANK": "1", "LOCAL_WORLD_SIZE": "4",
+                    "MASTER_ADDR": "head", "MASTER_PORT": "29500"})
+    assert rdv == Rendezvous(5, 8, 1, 4, "head", 29501, False, None, "torchrun")
+
+
+def test_gpucoll_master_port_overrides_master_port():
+    rdv = from_env({"RANK": "0", "WORLD_SIZE": "2", "MASTER_ADDR": "head", "MASTER_PORT": "1",
+                    "GPUCOLL_MASTER_PORT": "7000"})
+    assert rdv.store_port == 7000
+
+
+def test_slurm_environment_meets_at_the_first_node_on_a_job_port():
+    env = {"SLURM_PROCID": "6", "SLURM_NTASKS": "8", "SLURM_LOCALID": "2",
+           "SLURM_TASKS_PER_NODE": "4(x2)", "SLURM_NODEID": "1", "SLURM_JOB_ID": "4242",
+           "SLURM_JOB_NODELIST": "gpu[07-08]"}
+    rdv = from_env(env)
+    assert (rdv.rank, rdv.world_size, rdv.local_rank, rdv.local_world_size) == (6, 8, 2, 4)
+    assert (rdv.store_host, rdv.store_is_running, rdv.source) == ("gpu07", False, "slurm")
+    assert 20000 <= rdv.store_port < 32000
+    assert from_env({**env, "SLURM_PROCID": "0"}).store_port == rdv.store_port
+    assert from_env({**env, "SLURM_JOB_ID": "4243"}).store_port != rdv.store_port
+
+
+def test_slurm_uneven_tasks_per_node_gives_this_nodes_count():
+    rdv = from_env({"SLURM_PROCID": "6", "SLURM_NTASKS": "7", "SLURM_LOCALID": "0",
+                    "SLURM_TASKS_PER_NODE": "3(x2),1", "SLURM_NODEID": "2",
+                    "SLURM_JOB_NODELIST": "a,b,c", "SLURM_JOB_ID": "1"})
+    assert (rdv.local_rank, rdv.local_world_size, rdv.store_host) == (0, 1, "a")
+
+
+def test_slurm_step_nodelist_wins_over_the_job_nodelist():
+    rdv = from_env({"SLURM_PROCID": "0", "SLURM_NTASKS": "2", "SLURM_JOB_NODELIST": "n[1-9]",
+                    "SLURM_STEP_NODELIST": "n[4-5]", "SLURM_TASKS_PER_NODE": "1(x2)"})
+    assert rdv.store_host == "n4"
+
+
+def test_master_addr_wins_over_the_slurm_nodelist():
+    rdv = from_env({"SLURM_PROCID": "0", "SLURM_NTASKS": "2", "SLURM_JOB_NODELIST": "n[1-2]",
+                    "MASTER_ADDR": "login", "MASTER_PORT": "6000"})
+    assert (rdv.store_host, rdv.store_port) == ("login", 6001)
+
+
+def test_open_mpi_environment():
+    rdv = from_env({"OMPI_COMM_WORLD_RANK": "3", "OMPI_COMM_WORLD_SIZE": "4",
+                    "OMPI_COMM_WORLD_LOCAL_RANK": "3", "OMPI_COMM_WORLD_LOCAL_SIZE": "4",
+                    "OMPI_MCA_ess_base_jobid": "123456"})
+    assert (rdv.rank, rdv.world_size, rdv.local_rank, rdv.local_world_size) == (3, 4, 3, 4)
+    assert rdv.store_host == "127.0.0.1" and rdv.source == "openmpi"
+    assert 20000 <= rdv.store_port < 32000
+
+
+def test_open_mpi_wins_over_a_batch_steps_slurm_variables():
+    rdv = from_env({"OMPI_COMM_WORLD_RANK": "1", "OMPI_COMM_WORLD_SIZE": "2",
+                    "SLURM_PROCID": "0", "SLURM_NTASKS": "1", "SLURM_JOB_NODELIST": "n1"})
+    assert (rdv.rank, rdv.world_size, rdv.source, rdv.store_host) == (1, 2, "openmpi", "n1")
+
+
+def test_mpich_environment():
+    rdv = from_env({"PMI_RANK": "1", "PMI_SIZE": "2", "MPI_LOCALRANKID": "1",
+                    "MPI_LOCALNRANKS": "2"})
+    assert (rdv.rank, rdv.world_size, rdv.local_rank, rdv.local_world_size) == (1, 2, 1, 2)
+    assert rdv.source == "mpich" and rdv.store_host == "127.0.0.1"
+
+
+def test_mpich_under_srun_takes_local_numbers_from_slurm():
+    rdv = from_env({"PMI_RANK": "3", "PMI_SIZE": "4", "SLURM_LOCALID": "1",
+                    "SLURM_TASKS_PER_NODE": "2(x2)", "SLURM_NODEID": "1",
+                    "SLURM_JOB_NODELIST": "c[1-2]", "SLURM_JOB_ID": "9"})
+    assert (rdv.local_rank, rdv.local_world_size, rdv.store_host) == (1, 2, "c1")
+
+
+def test_world_of_one_uses_a_free_port():
+    assert from_env({"RANK": "0", "WORLD_SIZE": "1"}).store_port == 0
+
+
+# ----------------------------------------------------------------------------- errors
+def test_no_launcher_lists_every_variable_looked_for():
+    with pytest.raises(RendezvousError) as info:
+        from_env({})
+    for var in ("GPUCOLL_RANK", "RANK", "OMPI_COMM_WORLD_RANK", "PMI_RANK", "SLURM_PROCID",
+                "SLURM_NTASKS"):
+        assert var in str(info.value)
+
+
+def test_rendezvous_error_is_a_value_error():
+    with pytest.raises(ValueError):
+        from_env({"PATH": "/bin"})
+
+
+def test_missing_world_size_is_named():
+    with pytest.raises(RendezvousError, match="WORLD_SIZE is not set"):
+        from_env({"RANK": "0"})
+
+
+def test_non_integer_rank_is_named_with_its_value():
+    with pytest.raises(RendezvousError, match="GPUCOLL_RANK='one'"):
+        from_env({"GPUCOLL_RANK": "one", "GPUCOLL_WORLD_SIZE": "2"})
+
+
+def test_rank_outside_the_world_is_refused():
+    with pytest.raises(RendezvousError, match="rank 4 is not in a world of 4"):
+        from_env({"RANK": "4", "WORLD_SIZE": "4"})
+
+
+def test_several_hosts_without_an_address_say_what_to_set():
+    with pytest.raises(RendezvousError, match="GPUCOLL_MASTER_ADDR.*MASTER_ADDR"):
+        from_env({"OMPI_COMM_WORLD_RANK": "0", "OMPI_COMM_WORLD_SIZE": "8",
+                  "OMPI_COMM_WORLD_LOCAL_RANK": "0", "OMPI_COMM_WORLD_LOCAL_SIZE": "4"})
+
+
+def test_malformed_gpucoll_store_is_named():
+    with pytest.raises(RendezvousError, match="GPUCOLL_STORE"):
+        from_env({"GPUCOLL_RANK": "0", "GPUCOLL_WORLD_SIZE": "1", "GPUCOLL_STORE": "node0"})
+
+
+def test_rendezvous_is_frozen():
+    rdv = from_env({"RANK": "0", "WORLD_SIZE": "1"})
+    with pytest.raises(dataclasses.FrozenInstanceError):
+        rdv.rank = 1
+
+
+def test_reads_os_environ_by_default(monkeypatch):
+    monkeypatch.setenv("GPUCOLL_RANK", "0")
+    monkeypatch.setenv("GPUCOLL_WORLD_SIZE", "1")
+    assert from_env().source == "gpucoll"
+
+
+# ----------------------------------------------------------------------------- hostlists
+@pytest.mark.parametrize("spec, hosts", [
+    ("node1", ["node1"]),
+    ("gpu[01-04,07],cpu3", ["gpu01", "gpu02", "gpu03", "gpu04", "gpu07", "cpu3"]),
+    ("n[8-11]", ["n8", "n9", "n10", "n11"]),
+    ("n[098-101]", ["n098", "n099", "n100", "n101"]),
+    ("r[1-2]-n[01-02]", ["r1-n01", "r1-n02", "r2-n01", "r2-n02"]),
+    ("a,b[1,3],c", ["a", "b1", "b3", "c"]),
+    ("x[5]", ["x5"]),
+])
+def test_expand_hostlist(spec, hosts):
+    assert expand_hostlist(spec) == hosts
+
+
+@pytest.mark.parametrize("spec", ["gpu[01-04", "gpu]1[", "n[4-2]", "n[a-b]", ""])
+def test_malformed_hostlist_is_a_value_error(spec):
+    with pytest.raises(ValueError):
+        expand_hostlist(spec)
+
+
+# ----------------------------------------------------------------------------- connecting
+def _rdv(rank: int, port: int, running: bool) -> Rendezvous:
+    return Rendezvous(rank, 2, rank, 2, "127.0.0.1", port, running, None, "gpucoll")
+
+
+def test_rank_0_hosts_the_store_and_rank_1_connects():
+    host = connect_store(_rdv(0, 0, False), timeout=20)
+    try:
+        assert host.is_server
+        other = connect_store(_rdv(1, host.port, False), timeout=20)
+        other.set("hello", b"from 1")
+        assert host.get("hello") == b"from 1"
+        other.close()
+    finally:
+        host.close()
+
+
+def test_rank_1_started_first_waits_for_rank_0():
+    import socket
+
+    reserved = socket.socket()
+    reserved.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
+    reserved.bind(("127.0.0.1", 0))
+    port = reserved.getsockname()[1]
+    got = []
+
+    def rank1():
+        with connect_store(_rdv(1, port, False), timeout=30) as store:
+            got.append(store.get("from-0", timeout=30))
+
+    t = threading.Thread(target=rank1)
+    t.start()
+    try:
+        with connect_store(_rdv(0, port, False), timeout=30) as store:
+            reserved.close()
+            store.set("from-0", b"x")
+            t.join(40)
+    finally:
+        reserved.close()
+    assert got == [b"x"]
+
+
+def test_running_store_is_joined_not_hosted(store_server):
+    store = connect_store(_rdv(0, store_server.port, True), timeout=20)
+    try:
+        assert not store.is_server
+        store.set("k", b"v")
+        assert store_server.get("k") == b"v"
+    finally:
+        store.close()
