@@ -1,0 +1,230 @@
+"""The sweep every rank runs: per case, a timed loop out of place and in place, then a check.
+
+Timing follows nccl-tests: ``-w`` untimed iterations, a barrier, ``-n`` back-to-back timed
+iterations, the loop time divided by ``-n``; each rank's time is then combined over ranks
+(``-a``: rank 0, average, min or max). The correctness pass is separate and comes after the
+timed loop: known inputs, one call, every element compared, wrong elements summed over ranks.
+The engine knows nothing of any library: a ``Library`` adapter turns buffers into a call.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import os
+import socket
+from collections.abc import Callable, Iterator
+from typing import Any, Protocol
+
+import numpy as np
+
+from gpucoll.bench import check
+from gpucoll.bench.formulas import OPS, bandwidths
+from gpucoll.bench.options import AVERAGE_MODES, BenchOptions, numpy_dtype, type_name
+from gpucoll.ops import check_op_dtype, parse_op
+
+RANK_INFO_BYTES = 256
+
+
+class Library(Protocol):
+    """What the engine needs of a collectives library (gpucoll, gloo, mpi)."""
+
+    name: str
+    rank: int
+    size: int
+
+    def describe(self) -> dict[str, Any]: ...
+
+    def prepare(self, op: str, send: Any, recv: Any, redop: str, root: int,
+                in_place: bool) -> Callable[[], None] | None: ...
+
+    def barrier(self) -> None: ...
+
+    def close(self) -> None: ...
+
+
+@dataclasses.dataclass(frozen=True)
+class Case:
+    """One line of the table: an operation on one size, type, operator and root."""
+
+    op: str
+    nbytes: int
+    dtype: str
+    redop: str  # "none" for operations that do not reduce
+    root: int  # -1 for operations without a root
+
+
+@dataclasses.dataclass(frozen=True)
+class Measurement:
+    time_us: float
+    algbw: float
+    busbw: float
+    wrong: int | None  # None: no check was run
+
+    def to_json(self) -> dict[str, Any]:
+        return {"time": self.time_us, "alg_bw": self.algbw, "bus_bw": self.busbw,
+                "nwrong": self.wrong}
+
+    @classmethod
+    def from_json(cls, d: dict[str, Any] | None) -> Measurement | None:
+        if d is None:
+            return None
+        return cls(d["time"], d["alg_bw"], d["bus_bw"], d["nwrong"])
+
+
+@dataclasses.dataclass(frozen=True)
+class Result:
+    """One table line: the sizes and both placements (None where the library has no such form)."""
+
+    op: str
+    size: int
+    count: int
+    type: str
+    redop: str
+    root: int
+    out_of_place: Measurement | None
+    in_place: Measurement | None
+
+    def to_json(self) -> dict[str, Any]:
+        return {"op": self.op, "size": self.size, "count": self.count, "type": self.type,
+                "redop": self.redop, "root": self.root,
+                "out_of_place": self.out_of_place and self.out_of_place.to_json(),
+                "in_place": self.in_place and self.in_place.to_json()}
+
+    @classmethod
+    def from_json(cls, d: dict[str, Any]) -> Result:
+        return cls(d["op"], d["size"], d["count"], d["type"], d["redop"], d["root"],
+                   Measurement.from_json(d["out_of_place"]), Measurement.from_json(d["in_place"]))
+
+
+def cases(opts: BenchOptions, nranks: int) -> Iterator[Case | str]:
+    """Every case of the sweep in order; a string instead names a combination skipped and why."""
+    for op in opts.ops:
+        spec = OPS[op]
+        for dtype in opts.dtypes:
+            for redop in opts.redops if spec.reduces else ("none",):
+                if redop != "none":
+                    try:
+                        check_op_dtype(parse_op(redop), numpy_dtype(dtype), op)
+                    except TypeError as exc:
+                        yield f"skipped {exc}"
+                        continue
+                roots = range(nranks) if opts.roots is None else opts.roots
+                for root in roots if spec.rooted else (-1,):
+                    if root >= nranks:
+                        yield f"skipped {op} root {root}: only {nranks} ranks"
+                        continue
+                    for nbytes in opts.sizes():
+                        yield Case(op, nbytes, dtype, redop, root)
+
+
+def case_total(opts: BenchOptions, nranks: int) -> int:
+    """How many table lines the sweep has (for the progress bar)."""
+    return sum(1 for c in cases(opts, nranks) if isinstance(c, Case))
+
+
+class Engine:
+    """Runs cases on one rank through ``lib`` with buffers from ``mem``."""
+
+    def __init__(self, lib: Library, mem: Any, opts: BenchOptions):
+        self.lib, self.mem, self.opts = lib, mem, opts
+
+    def run(self, case: Case) -> Result:
+        spec, dtype = OPS[case.op], numpy_dtype(case.dtype)
+        n, rank = self.lib.size, self.lib.rank
+        send_n, recv_n = spec.counts(case.nbytes, dtype.itemsize, n)
+        send, recv = self.mem.empty(send_n, dtype), self.mem.empty(recv_n, dtype)
+        timing_data = check.values(rank, np.arange(send_n), dtype, case.redop)
+        measured = []
+        for in_place in (False, True):
+            s, r = placed(case.op, send, recv, rank, n, in_place)
+            self.mem.write(s, timing_data[: _len(s)])
+            fn = self.lib.prepare(case.op, s, r, case.redop, case.root, in_place)
+            measured.append(None if fn is None else self._measure(case, fn, s, r, dtype))
+        size = spec.size_bytes(case.nbytes, dtype.itemsize, n)
+        return Result(case.op, size, case.nbytes // dtype.itemsize, type_name(dtype),
+                      case.redop, case.root, measured[0], measured[1])
+
+    def _measure(self, case: Case, fn: Callable[[], None], send: Any, recv: Any,
+                 dtype: np.dtype) -> Measurement:
+        seconds = self._time(fn)
+        size = OPS[case.op].size_bytes(case.nbytes, dtype.itemsize, self.lib.size)
+        algbw, busbw = bandwidths(case.op, size, seconds, self.lib.size)
+        wrong = self._check(case, fn, send, recv, dtype) if self.opts.check else None
+        return Measurement(seconds * 1e6, algbw, busbw, wrong)
+
+    def _time(self, fn: Callable[[], None]) -> float:
+        for _ in range(self.opts.warmup):
+            fn()
+        self.mem.synchronize()
+        self.lib.barrier()
+        timer = self.mem.timer()
+        timer.start()
+        for _ in range(self.opts.iters):
+            fn()
+        mine = timer.stop() / self.opts.iters
+        return combine(self.gather(mine), self.opts.average)
+
+    def _check(self, case: Case, fn: Callable[[], None], send: Any, recv: Any,
+               dtype: np.dtype) -> int:
+        rank, n = self.lib.rank, self.lib.size
+        wrong = 0
+        for _ in range(self.opts.check):
+            self.mem.fill(recv, check.SENTINEL)
+            self.mem.write(send, check.inputs(case.op, rank, case.root, case.redop,
+                                              _len(send), dtype))
+            fn()
+            self.mem.synchronize()
+            got = self.mem.read(recv)
+            wrong += check.wrong_elements(case.op, rank, n, case.root, case.redop, got)
+        return int(self.all_sum(np.array([wrong], np.float64))[0])
+
+    def gather(self, value: float) -> np.ndarray:
+        """Every rank's ``value``, in rank order, on every rank."""
+        slots = np.zeros(self.lib.size, np.float64)
+        slots[self.lib.rank] = value
+        return self.all_sum(slots)
+
+    def all_sum(self, values: np.ndarray) -> np.ndarray:
+        """Element-wise sum over ranks of a small host array, through the library itself."""
+        buf = self.mem.empty(values.size, values.dtype)
+        self.mem.write(buf, values)
+        fn = self.lib.prepare("all_reduce", buf, buf, "sum", -1, True)
+        if fn is None:
+            raise RuntimeError(f"{self.lib.name} cannot all_reduce in place")
+        fn()
+        self.mem.synchronize()
+        return self.mem.read(buf).copy()
+
+    def rank_info(self) -> list[str]:
+        """One line per rank naming its pid, host and device, as nccl-tests' header does."""
+        line = f"{os.getpid()} {socket.gethostname()} {self.mem.label()}".encode()
+        slots = np.zeros((self.lib.size, RANK_INFO_BYTES), np.uint8)
+        raw = np.frombuffer(line[:RANK_INFO_BYTES], np.uint8)
+        slots[self.lib.rank, : raw.size] = raw
+        gathered = self.all_sum(slots.reshape(-1)).reshape(self.lib.size, -1)
+        return [bytes(row).rstrip(b"\0").decode(errors="replace") for row in gathered]
+
+
+def placed(op: str, send: Any, recv: Any, rank: int, n: int, in_place: bool) -> tuple[Any, Any]:
+    """The (send, recv) pair of one placement; in place they alias as NCCL defines it."""
+    if not in_place:
+        return send, recv
+    if op == "all_gather":
+        slot = _len(recv) // n
+        return recv[rank * slot:(rank + 1) * slot], recv
+    if op == "reduce_scatter":
+        slot = _len(send) // n
+        return send, send[rank * slot:(rank + 1) * slot]
+    return recv, recv
+
+
+def combine(times: np.ndarray, mode: int) -> float:
+    """One time from every rank's, as nccl-tests' ``-a``: rank 0, average, min or max."""
+    how = AVERAGE_MODES[mode]
+    if how == "rank0":
+        return float(times[0])
+    return float(getattr(np, "mean" if how == "avg" else how)(times))
+
+
+def _len(buf: Any) -> int:
+    return int(buf.shape[0])
