@@ -11,7 +11,7 @@ import os
 
 from gpucoll.errors import StoreError
 from gpucoll.launch.config import LaunchConfig, LaunchError, validate
-from gpucoll.launch.jobstore import job_store, new_token, torch_port
+from gpucoll.launch.jobstore import JobStore, new_token, torch_port
 from gpucoll.launch.supervisor import Job, console
 
 EPILOG = """\
@@ -82,17 +82,31 @@ def main(argv: list[str] | None = None) -> int:
     if gpus and cfg.nproc > len(gpus):
         out.write("stderr", f"gpucoll run: note: {cfg.nproc} ranks share {len(gpus)} GPU(s); "
                   "NCCL needs one GPU per rank\n".encode())
-    token = cfg.token or new_token()
     job = Job(cfg, gpus, out)
     try:
-        with job_store(cfg, token) as store:
-            if cfg.nnodes > 1 and cfg.node_rank == 0:
-                out.write("stderr", f"gpucoll run: store listening at tcp://{store[0]}:"
-                          f"{store[1]}\n".encode())
-            job.launch(store, token, torch_port(cfg, store[1]))
-            return job.supervise()
+        return run_job(cfg, job)
     except (StoreError, OSError) as exc:
         out.write("stderr", f"gpucoll run: error: {exc}\n".encode())
         return 1
+    except KeyboardInterrupt:
+        return 130
     finally:
         job.cleanup()
+
+
+def run_job(cfg: LaunchConfig, job: Job) -> int:
+    """Host or join the job's store, run this node's ranks, and settle with the other nodes."""
+    token = cfg.token or new_token()
+    store = JobStore(cfg, token)
+    try:
+        host, port = store.address
+        if cfg.nnodes > 1 and cfg.node_rank == 0:
+            job.console.write("stderr", f"gpucoll run: store listening at tcp://{host}:{port}"
+                              f"\n".encode())
+        job.on_failure = store.abort
+        store.watch(job.events)
+        job.launch((host, port), token, torch_port(cfg, port))
+        status = job.supervise()
+        return store.finish(status)
+    finally:
+        store.close()

@@ -4,6 +4,7 @@ Rank exits and signals to the launcher arrive on one queue. The first rank to fa
 cause: the others get ``grace`` seconds to end on their own (they usually notice the dead peer
 and print why), then SIGTERM, then after ``grace`` more SIGKILL. A signal to the launcher is
 forwarded to every rank; a second SIGINT kills them at once. ``timeout`` bounds the whole job.
+In a job of several nodes, a failure on another node stops this node's ranks the same way.
 """
 
 from __future__ import annotations
@@ -18,6 +19,7 @@ import time
 from gpucoll.launch import report
 from gpucoll.launch.config import LaunchConfig
 from gpucoll.launch.environ import rank_env
+from gpucoll.launch.jobstore import RemoteAbort
 from gpucoll.launch.output import Console, RankOutput
 from gpucoll.launch.procs import Exit, RankProcess
 from gpucoll.launch.signals import Received, signals_to
@@ -52,6 +54,8 @@ class Job:
         self.first_failure: Exit | None = None
         self.interrupt: Received | None = None
         self.timed_out = False
+        self.remote: RemoteAbort | None = None
+        self.on_failure = lambda status, reason: None  # tells the other nodes
         self.deadlines = Deadlines()
         self.start = 0.0
 
@@ -98,13 +102,24 @@ class Job:
             if event.returncode != 0 and self._is_failure(event):
                 self.first_failure = event
                 self._schedule_stop(term_after=self.cfg.grace)
+                self.on_failure(report.exit_status(event.returncode),
+                                f"rank {event.rank} on node {self.cfg.node_rank} failed "
+                                f"({report.describe(event.returncode)})")
         elif isinstance(event, Received):
             self._on_signal(event)
+        elif isinstance(event, RemoteAbort) and self._quiet():
+            self.remote = event
+            self._note(f"stopping this node's ranks: {event.reason}")
+            self._schedule_stop(term_after=self.cfg.grace)
 
     def _is_failure(self, event: Exit) -> bool:
         # Only the first failure counts, and not an exit the launcher itself caused.
+        return self._quiet() and event.rank not in self.sent
+
+    def _quiet(self) -> bool:
+        """Nothing has gone wrong yet: no failure, signal, timeout or abort from elsewhere."""
         return (self.first_failure is None and self.interrupt is None and not self.timed_out
-                and event.rank not in self.sent)
+                and self.remote is None)
 
     def _on_signal(self, event: Received) -> None:
         if (self.interrupt is not None and event.signum == signal.SIGINT
@@ -173,6 +188,8 @@ class Job:
             return report.TIMEOUT_EXIT
         if self.interrupt is not None:
             return 128 + self.interrupt.signum
+        if self.remote is not None:
+            return self.remote.status
         return 0
 
     def _report_failure(self, first: Exit) -> None:

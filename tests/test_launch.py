@@ -1,0 +1,356 @@
+"""`gpucoll run` end to end: the launcher runs as a subprocess on small scripts of its ranks."""
+
+from __future__ import annotations
+
+import json
+import re
+import signal
+
+import pytest
+from launch_helpers import alive, launching, write_script
+
+ENV_DUMP = """
+    import json, os
+    names = ["GPUCOLL_RANK", "GPUCOLL_WORLD_SIZE", "GPUCOLL_LOCAL_RANK",
+             "GPUCOLL_LOCAL_WORLD_SIZE", "GPUCOLL_STORE", "GPUCOLL_STORE_TOKEN", "RANK",
+             "WORLD_SIZE", "LOCAL_RANK", "LOCAL_WORLD_SIZE", "MASTER_ADDR", "MASTER_PORT"]
+    print("ENV " + json.dumps({n: os.environ.get(n) for n in names}))
+"""
+
+# Ranks print their pid and "ready", then wait to be stopped; SIGTERM ends them with code 7.
+WAITER = """
+    import os, signal, sys, time
+    signal.signal(signal.SIGTERM, lambda *a: sys.exit(7))
+    print(f"pid={os.getpid()} ready", flush=True)
+    while True:
+        time.sleep(1)
+"""
+
+
+@pytest.fixture
+def launch(tmp_path):
+    with launching(tmp_path) as start:
+        yield start
+
+
+def pids(launcher) -> list[int]:
+    return [int(p) for p in re.findall(r"pid=(\d+)", launcher.out())]
+
+
+def envs(launcher) -> dict[int, dict]:
+    found = [json.loads(line.split("ENV ", 1)[1]) for line in launcher.out().splitlines()
+             if "ENV " in line]
+    return {int(e["RANK"]): e for e in found}
+
+
+def test_every_rank_gets_gpucoll_and_torchrun_variables(launch, tmp_path):
+    job = launch(["-n", "3", write_script(tmp_path, ENV_DUMP)])
+    assert job.finish() == 0, job.text()
+    by_rank = envs(job)
+    assert sorted(by_rank) == [0, 1, 2]
+    for rank, env in by_rank.items():
+        assert env["GPUCOLL_RANK"] == env["LOCAL_RANK"] == env["GPUCOLL_LOCAL_RANK"] == str(rank)
+        assert env["GPUCOLL_WORLD_SIZE"] == env["WORLD_SIZE"] == env["LOCAL_WORLD_SIZE"] == "3"
+        assert env["GPUCOLL_STORE"].startswith("tcp://127.0.0.1:")
+        assert env["MASTER_ADDR"] == "127.0.0.1"
+        # torch.distributed hosts its own store at MASTER_PORT: it must not be gpucoll's port
+        assert not env["GPUCOLL_STORE"].endswith(":" + env["MASTER_PORT"])
+    assert len({e["GPUCOLL_STORE_TOKEN"] for e in by_rank.values()}) == 1
+
+
+def test_each_job_gets_a_fresh_store_token(launch, tmp_path):
+    script = write_script(tmp_path, ENV_DUMP)
+    first, second = launch(["-n", "1", script]), launch(["-n", "1", script])
+    assert first.finish() == 0 and second.finish() == 0
+    token = lambda job: envs(job)[0]["GPUCOLL_STORE_TOKEN"]
+    assert len(token(first)) >= 32 and token(first) != token(second)
+
+
+def test_ranks_meet_in_the_store_the_launcher_hosts(launch, tmp_path):
+    script = write_script(tmp_path, """
+        import os
+        from gpucoll.store import TCPStore
+        host, port = os.environ["GPUCOLL_STORE"][len("tcp://"):].rsplit(":", 1)
+        store = TCPStore(host, int(port), token=os.environ["GPUCOLL_STORE_TOKEN"], timeout=30)
+        store.add("arrived", 1)
+        store.wait(["go"]) if os.environ["RANK"] != "0" else None
+        if os.environ["RANK"] == "0":
+            while store.add("arrived", 0) < 3:
+                pass
+            store.set("go", b"1")
+        print("met", store.add("arrived", 0))
+    """)
+    job = launch(["-n", "3", script])
+    assert job.finish() == 0, job.text()
+    assert job.out().count("met 3") == 3
+
+
+def test_output_lines_carry_their_rank_and_streams_stay_apart(launch, tmp_path):
+    script = write_script(tmp_path, """
+        import os, sys
+        print("to stdout")
+        print("to stderr", file=sys.stderr)
+    """)
+    job = launch(["-n", "2", script])
+    assert job.finish() == 0, job.text()
+    for rank in (0, 1):
+        assert f"[rank {rank}] to stdout\n" in job.out()
+        assert f"[rank {rank}] to stderr\n" in job.err()
+    assert "to stderr" not in job.out() and "to stdout" not in job.err()
+
+
+def test_partial_writes_join_into_whole_lines_and_bytes_pass_unchanged(launch, tmp_path):
+    script = write_script(tmp_path, """
+        import sys
+        out = sys.stdout.buffer
+        for piece in (b"hel", b"lo\\nwor", b"ld\\n", b"\\xff\\xfe binary\\n", b"no newline"):
+            out.write(piece)
+            out.flush()
+    """)
+    job = launch(["-n", "1", script])
+    assert job.finish() == 0, job.text()
+    raw = b"".join(job.stdout)
+    assert raw == (b"[rank 0] hello\n[rank 0] world\n[rank 0] \xff\xfe binary\n"
+                   b"[rank 0] no newline\n")
+
+
+def test_lines_of_ranks_writing_at_once_never_mix(launch, tmp_path):
+    script = write_script(tmp_path, """
+        import os, sys
+        rank = os.environ["RANK"]
+        for i in range(300):
+            # many small writes per line: a line is only whole once its newline arrives
+            for part in (rank * 2000, " line ", str(i), "\\n"):
+                sys.stdout.write(part)
+    """)
+    job = launch(["-n", "3", script])
+    assert job.finish() == 0, job.text()
+    lines = job.out().splitlines()
+    assert len(lines) == 900
+    for line in lines:
+        m = re.fullmatch(r"\[rank (\d)\] (\d{2000}) line \d+", line)
+        assert m and m.group(2) == m.group(1) * 2000, line[:80]
+
+
+def test_tee_writes_one_log_per_rank(launch, tmp_path):
+    script = write_script(tmp_path, """
+        import os, sys
+        print("out of", os.environ["RANK"])
+        print("err of", os.environ["RANK"], file=sys.stderr)
+    """)
+    job = launch(["-n", "2", "--tee", str(tmp_path / "logs"), script])
+    assert job.finish() == 0, job.text()
+    for rank in (0, 1):
+        log = (tmp_path / "logs" / f"rank-{rank}.log").read_text()
+        assert sorted(log.splitlines()) == [f"err of {rank}", f"out of {rank}"]
+
+
+def test_a_successful_job_exits_zero(launch, tmp_path):
+    job = launch(["-n", "2", write_script(tmp_path, "print('done')\n")])
+    assert job.finish() == 0, job.text()
+    assert job.out().count("done") == 2
+
+
+def test_launcher_exits_with_the_failed_ranks_code(launch, tmp_path):
+    script = write_script(tmp_path, "import os, sys\nsys.exit(5 if os.environ['RANK'] == '1'"
+                                    " else 0)\n")
+    job = launch(["-n", "2", script])
+    assert job.finish() == 5, job.text()
+    assert "rank 1 failed first" in job.err() and "exit code 5" in job.err()
+
+
+def test_a_rank_killed_by_a_signal_gives_128_plus_the_signal(launch, tmp_path):
+    script = write_script(tmp_path, """
+        import os, signal
+        if os.environ["RANK"] == "0":
+            os.kill(os.getpid(), signal.SIGSEGV)
+    """)
+    job = launch(["-n", "2", script])
+    assert job.finish() == 128 + signal.SIGSEGV, job.text()
+    assert "SIGSEGV" in job.err()
+
+
+def test_first_failure_is_reported_and_the_others_are_stopped(launch, tmp_path):
+    script = write_script(tmp_path, WAITER.replace("import os, signal, sys, time", """
+    import os, signal, sys, time
+    if os.environ["RANK"] == "2":
+        print("boom: rank 2 gives up", file=sys.stderr)
+        sys.exit(3)"""))
+    job = launch(["-n", "4", "--grace", "0.5", script])
+    # the others stop with code 7 (their SIGTERM handler): the report must still say 3
+    assert job.finish() == 3, job.text()
+    err = job.err()
+    assert "rank 2 failed first" in err and "exit code 3" in err
+    assert "boom: rank 2 gives up" in err.split("root cause", 1)[1]
+    for rank in (0, 1, 3):
+        assert f"rank {rank}: stopped by the launcher (SIGTERM), exit code 7" in err
+    assert pids(job) and not any(alive(pid) for pid in pids(job))
+
+
+def test_ranks_ignoring_sigterm_are_killed_after_the_grace_period(launch, tmp_path):
+    script = write_script(tmp_path, """
+        import os, signal, sys, time
+        signal.signal(signal.SIGTERM, signal.SIG_IGN)
+        if os.environ["RANK"] == "1":
+            sys.exit(4)
+        print(f"pid={os.getpid()}", flush=True)
+        while True:
+            time.sleep(1)
+    """)
+    job = launch(["-n", "2", "--grace", "0.5", script])
+    job.wait_for_lines(r"pid=", 1)
+    assert job.finish() == 4, job.text()
+    assert "rank 0: stopped by the launcher (SIGKILL)" in job.err()
+    assert not any(alive(pid) for pid in pids(job))
+
+
+@pytest.mark.parametrize("sig", [signal.SIGTERM, signal.SIGINT])
+def test_a_signal_to_the_launcher_reaches_every_rank(launch, tmp_path, sig):
+    script = write_script(tmp_path, f"""
+        import os, signal, sys, time
+        signal.signal({int(sig)}, lambda *a: (print("rank got", signal.Signals({int(sig)}).name,
+                                                    flush=True), sys.exit(0)))
+        print("ready", flush=True)
+        while True:
+            time.sleep(1)
+    """)
+    job = launch(["-n", "3", script])
+    job.wait_for_lines(r"\] ready$", 3)
+    job.send(sig)
+    assert job.finish() == 128 + sig, job.text()
+    assert job.out().count(f"rank got {sig.name}") == 3
+
+
+def test_a_second_sigint_kills_ranks_that_ignore_the_first(launch, tmp_path):
+    script = write_script(tmp_path, """
+        import os, signal, time
+        signal.signal(signal.SIGINT, lambda *a: print("ignoring SIGINT", flush=True))
+        print(f"pid={os.getpid()} ready", flush=True)
+        while True:
+            time.sleep(1)
+    """)
+    job = launch(["-n", "2", "--grace", "600", script])
+    job.wait_for_lines(r"ready$", 2)
+    job.send(signal.SIGINT)
+    job.wait_for_lines(r"ignoring SIGINT", 2)
+    job.send(signal.SIGINT)
+    assert job.finish() == 128 + signal.SIGINT, job.text()
+    assert "second SIGINT" in job.err()
+    assert not any(alive(pid) for pid in pids(job))
+
+
+def test_a_hung_rank_is_stopped_at_the_job_timeout(launch, tmp_path):
+    script = write_script(tmp_path, """
+        import os, sys, time
+        print(f"pid={os.getpid()}", flush=True)
+        if os.environ["RANK"] == "1":
+            print("rank 1 is stuck", file=sys.stderr, flush=True)
+            time.sleep(3600)
+    """)
+    job = launch(["-n", "2", "--timeout", "3", "--grace", "0.5", script])
+    assert job.finish() == 124, job.text()
+    err = job.err()
+    assert "timed out after 3 s" in err and "rank 1: stopped by the launcher" in err
+    assert "rank 1 is stuck" in err.split("timed out after 3 s (--timeout)", 1)[1]
+    assert not any(alive(pid) for pid in pids(job))
+
+
+def test_children_a_rank_leaves_behind_are_stopped(launch, tmp_path):
+    script = write_script(tmp_path, """
+        import subprocess, sys
+        child = subprocess.Popen([sys.executable, "-c", "import time; time.sleep(3600)"],
+                                 stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
+        print(f"pid={child.pid}", flush=True)
+    """)
+    job = launch(["-n", "1", script])
+    assert job.finish() == 0, job.text()
+    assert pids(job) and not alive(pids(job)[0])
+
+
+def test_a_missing_script_is_a_clear_error(launch, tmp_path):
+    job = launch(["-n", "2", "no_such_script.py"])
+    assert job.finish() == 2
+    assert "script not found: 'no_such_script.py'" in job.err()
+    assert job.out() == ""
+
+
+def test_a_module_runs_with_dash_m(launch, tmp_path):
+    write_script(tmp_path, "import os\nprint('module rank', os.environ['RANK'])\n",
+                 name="mymod.py")
+    job = launch(["-n", "2", "-m", "mymod"])
+    assert job.finish() == 0, job.text()
+    assert "[rank 1] module rank 1" in job.out()
+
+
+def test_script_arguments_pass_through_unchanged(launch, tmp_path):
+    script = write_script(tmp_path, "import sys\nprint(sys.argv[1:])\n")
+    job = launch(["-n", "1", script, "--lr", "0.1", "-n", "7"])
+    assert job.finish() == 0, job.text()
+    assert "[rank 0] ['--lr', '0.1', '-n', '7']" in job.out()
+
+
+def test_a_torchrun_style_script_runs_unchanged(launch, tmp_path):
+    script = write_script(tmp_path, """
+        import os
+        rank, world = int(os.environ["RANK"]), int(os.environ["WORLD_SIZE"])
+        local = int(os.environ["LOCAL_RANK"])
+        addr, port = os.environ["MASTER_ADDR"], int(os.environ["MASTER_PORT"])
+        assert 0 <= rank < world == 2 and local == rank and port > 0, (rank, world, port)
+        print(f"torchrun-style rank {rank}/{world} master {addr}:{port}")
+    """)
+    job = launch(["-n", "2", script])
+    assert job.finish() == 0, job.text()
+    assert job.out().count("torchrun-style rank") == 2
+
+
+@pytest.mark.slow
+def test_a_torch_distributed_script_runs_unchanged(launch, tmp_path):
+    pytest.importorskip("torch.distributed")
+    script = write_script(tmp_path, """
+        import torch, torch.distributed as dist
+        dist.init_process_group("gloo")  # env:// reads MASTER_ADDR/PORT, RANK, WORLD_SIZE
+        t = torch.tensor([dist.get_rank() + 1.0])
+        dist.all_reduce(t)
+        print("torch all_reduce", t.item())
+        dist.destroy_process_group()
+    """)
+    job = launch(["-n", "2", script])
+    assert job.finish(timeout=110) == 0, job.text()
+    assert job.out().count("torch all_reduce 3.0") == 2
+
+
+def test_two_nodes_form_one_job(launch, tmp_path):
+    script = write_script(tmp_path, ENV_DUMP)
+    env = {"GPUCOLL_STORE_TOKEN": "shared-secret-for-this-test"}
+    common = ["-n", "2", "--nnodes", "2", "--master-addr", "127.0.0.1"]
+    node0 = launch([*common, "--node-rank", "0", "--master-port", "0", script], env=env)
+    [line] = node0.wait_for_lines(r"store listening at tcp://127\.0\.0\.1:\d+$", 1,
+                                  stream="stderr")
+    port = line.rsplit(":", 1)[1]
+    node1 = launch([*common, "--node-rank", "1", "--master-port", port, script], env=env)
+    assert node1.finish() == 0, node1.text()
+    assert node0.finish() == 0, node0.text()
+    ranks = {**envs(node0), **envs(node1)}
+    assert sorted(ranks) == [0, 1, 2, 3]
+    assert {e["GPUCOLL_STORE"] for e in ranks.values()} == {f"tcp://127.0.0.1:{port}"}
+    assert {e["MASTER_PORT"] for e in ranks.values()} == {str(int(port) + 1)}
+    assert [ranks[r]["LOCAL_RANK"] for r in range(4)] == ["0", "1", "0", "1"]
+
+
+def test_a_failure_on_one_node_stops_the_ranks_of_the_other(launch, tmp_path):
+    script = write_script(tmp_path, WAITER.replace("import os, signal, sys, time", """
+    import os, signal, sys, time
+    if os.environ["RANK"] == "3":
+        sys.exit(6)"""))
+    env = {"GPUCOLL_STORE_TOKEN": "shared-secret-for-this-test"}
+    common = ["-n", "2", "--nnodes", "2", "--master-addr", "127.0.0.1", "--grace", "0.5"]
+    node0 = launch([*common, "--node-rank", "0", "--master-port", "0", script], env=env)
+    [line] = node0.wait_for_lines(r"store listening at tcp://127\.0\.0\.1:\d+$", 1,
+                                  stream="stderr")
+    node1 = launch([*common, "--node-rank", "1", "--master-port", line.rsplit(":", 1)[1],
+                    script], env=env)
+    assert node1.finish() == 6, node1.text()
+    assert node0.finish() == 6, node0.text()
+    assert "rank 3 failed first" in node1.err()
+    assert "stopping this node's ranks: rank 3 on node 1 failed (exit code 6)" in node0.err()
+    assert not any(alive(pid) for pid in pids(node0) + pids(node1))

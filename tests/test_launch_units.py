@@ -1,0 +1,170 @@
+"""The launcher's parts on their own: GPU discovery, exit statuses, checks, line splitting."""
+
+from __future__ import annotations
+
+import os
+import signal
+import threading
+
+import pytest
+
+from gpucoll.launch import report
+from gpucoll.launch.config import LaunchConfig, LaunchError, validate
+from gpucoll.launch.devices import device_env, visible_gpus
+from gpucoll.launch.environ import rank_env
+from gpucoll.launch.output import MAX_LINE, TAIL_LINES, Console, RankOutput
+
+
+class Sink:
+    """A byte stream that records what it was given, one write at a time."""
+
+    def __init__(self):
+        self.writes: list[bytes] = []
+
+    def write(self, data: bytes) -> None:
+        self.writes.append(bytes(data))
+
+    def flush(self) -> None:
+        pass
+
+
+def pump(chunks: list[bytes], stream: str = "stdout", log: str | None = None):
+    """Feed ``chunks`` through a pipe into a RankOutput for rank 2; return (writes, output)."""
+    out, err = Sink(), Sink()
+    output = RankOutput(2, Console(out, err), log)
+    r, w = os.pipe()
+    output.start(stream, r)
+    for chunk in chunks:
+        os.write(w, chunk)
+    os.close(w)
+    output.join(10)
+    return (out if stream == "stdout" else err).writes, output
+
+
+def test_cuda_visible_devices_decides_which_gpus_are_visible():
+    assert visible_gpus({"CUDA_VISIBLE_DEVICES": "3,1"}) == ["3", "1"]
+    assert visible_gpus({"CUDA_VISIBLE_DEVICES": "GPU-aa11,GPU-bb22"}) == ["GPU-aa11", "GPU-bb22"]
+
+
+@pytest.mark.parametrize("listed", ["", "-1", "-1,0"])
+def test_cuda_visible_devices_can_hide_every_gpu(listed):
+    assert visible_gpus({"CUDA_VISIBLE_DEVICES": listed}) == []
+
+
+def test_gpus_are_counted_from_the_driver_device_nodes(tmp_path):
+    for name in ("nvidia0", "nvidia1", "nvidiactl", "nvidia-uvm", "null"):
+        (tmp_path / name).touch()
+    assert visible_gpus({}, dev_dir=str(tmp_path), proc_dir="/nonexistent") == ["0", "1"]
+
+
+def test_no_driver_means_no_gpus(tmp_path):
+    assert visible_gpus({}, dev_dir=str(tmp_path), proc_dir=str(tmp_path / "none")) == []
+
+
+def test_isolated_ranks_see_only_their_own_gpu():
+    assert device_env(1, ["4", "5"], isolate=True) == {"CUDA_VISIBLE_DEVICES": "5"}
+    assert device_env(1, ["4", "5"], isolate=False) == {}
+    assert device_env(1, [], isolate=True) == {}
+
+
+def test_ranks_of_node_one_continue_the_numbering_of_node_zero():
+    cfg = LaunchConfig("x.py", nproc=4, nnodes=2, node_rank=1, token="t")
+    env = rank_env(cfg, 2, ("10.0.0.1", 29400), "t", 29401, [])
+    assert (env["RANK"], env["GPUCOLL_RANK"], env["LOCAL_RANK"]) == ("6", "6", "2")
+    assert env["WORLD_SIZE"] == "8" and env["LOCAL_WORLD_SIZE"] == "4"
+    assert env["GPUCOLL_STORE"] == "tcp://10.0.0.1:29400" and env["MASTER_PORT"] == "29401"
+
+
+@pytest.mark.parametrize("code, status, text", [
+    (0, 0, "exit code 0"),
+    (3, 3, "exit code 3"),
+    (-signal.SIGKILL, 137, "signal SIGKILL (exit 137)"),
+    (-signal.SIGSEGV, 139, "signal SIGSEGV (exit 139)"),
+])
+def test_exit_statuses_follow_the_shell_convention(code, status, text):
+    assert report.exit_status(code) == status
+    assert report.describe(code) == text
+
+
+def test_the_root_cause_report_names_rank_exit_and_last_stderr():
+    text = report.root_cause(5, 1, 2, 4242, 3, 1.25, ["Traceback", "ValueError: bad"],
+                             ["rank 4: exit code 0"])
+    assert "rank 5 failed first" in text and "local rank 1 on node 2, pid 4242" in text
+    assert "exit code 3" in text and "ValueError: bad" in text and "rank 4: exit code 0" in text
+
+
+@pytest.mark.parametrize("kwargs, message", [
+    ({"nproc": 0}, "-n must be at least 1"),
+    ({"nnodes": 2, "node_rank": 2, "token": "t"}, "--node-rank must be in [0, 2)"),
+    ({"nnodes": 2, "node_rank": 1, "token": "t"}, "--master-port is required"),
+    ({"nnodes": 2, "master_port": 29400}, "needs one store token"),
+    ({"timeout": 0.0}, "--timeout must be positive"),
+    ({"grace": -1.0}, "--grace must not be negative"),
+])
+def test_impossible_jobs_are_refused_before_anything_starts(tmp_path, kwargs, message):
+    script = tmp_path / "s.py"
+    script.touch()
+    with pytest.raises(LaunchError, match=message.replace("[", r"\[").replace(")", r"\)")):
+        validate(LaunchConfig(str(script), **kwargs), environ={})
+
+
+def test_device_mode_needs_a_gpu_per_rank(tmp_path):
+    script = tmp_path / "s.py"
+    script.touch()
+    cfg = LaunchConfig(str(script), nproc=4, device=True)
+    with pytest.raises(LaunchError, match="has 2 visible GPU"):
+        validate(cfg, environ={"CUDA_VISIBLE_DEVICES": "0,1"})
+    assert validate(cfg, environ={"CUDA_VISIBLE_DEVICES": "0,1,2,3"}) == ["0", "1", "2", "3"]
+
+
+def test_a_missing_module_is_refused():
+    with pytest.raises(LaunchError, match="module not found: 'no_such_module_xyz'"):
+        validate(LaunchConfig("no_such_module_xyz", module=True), environ={})
+
+
+def test_pieces_of_a_line_are_written_as_one_prefixed_line():
+    writes, _ = pump([b"a", b"b", b"c\nd", b"e\n"])
+    assert writes == [b"[rank 2] abc\n", b"[rank 2] de\n"]
+
+
+def test_a_last_line_without_newline_is_still_written():
+    writes, _ = pump([b"x\ntail"])
+    assert writes == [b"[rank 2] x\n", b"[rank 2] tail\n"]
+
+
+def test_bytes_that_are_not_text_pass_unchanged():
+    writes, _ = pump([b"\x00\xff\xfe\r\n"])
+    assert writes == [b"[rank 2] \x00\xff\xfe\r\n"]
+
+
+def test_an_endless_line_is_cut_at_the_limit():
+    writes, _ = pump([b"z" * (MAX_LINE + 10) + b"\n"])
+    assert [len(w) for w in writes] == [len("[rank 2] ") + MAX_LINE + 1, len("[rank 2] ") + 11]
+
+
+def test_the_stderr_tail_keeps_the_last_lines():
+    lines = [f"line {i}".encode() for i in range(TAIL_LINES + 5)]
+    _, output = pump([b"\n".join(lines) + b"\n"], stream="stderr")
+    assert output.last_stderr() == [f"line {i}" for i in range(5, TAIL_LINES + 5)]
+
+
+def test_tee_log_holds_the_lines_without_prefix(tmp_path):
+    log = tmp_path / "rank-2.log"
+    pump([b"one\ntwo\n"], log=str(log))
+    assert log.read_bytes() == b"one\ntwo\n"
+
+
+def test_a_closed_console_does_not_stop_the_pump():
+    class Closed(Sink):
+        def write(self, data):
+            raise BrokenPipeError
+
+    console = Console(Closed(), Sink())
+    output = RankOutput(0, console)
+    r, w = os.pipe()
+    output.start("stdout", r)
+    writer = threading.Thread(target=lambda: (os.write(w, b"x\n" * 50000), os.close(w)))
+    writer.start()
+    writer.join(30)
+    output.join(10)
+    assert not writer.is_alive()
