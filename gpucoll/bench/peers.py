@@ -12,6 +12,7 @@ from __future__ import annotations
 
 import datetime
 import importlib.util
+import os
 import shutil
 from collections.abc import Callable
 from typing import Any
@@ -35,7 +36,7 @@ class GlooLibrary:
 
     name = "gloo"
 
-    def __init__(self, timeout: float, device: bool = False):
+    def __init__(self, timeout: float, device: bool = False, init_method: str = "env://"):
         import torch
         import torch.distributed as dist
 
@@ -44,8 +45,11 @@ class GlooLibrary:
         self.backend = "nccl" if device else "gloo"
         if device:
             self.name = "torch-nccl"
-        dist.init_process_group(self.backend, init_method="env://",
-                                timeout=datetime.timedelta(seconds=timeout))
+        kw = {}
+        if init_method != "env://":  # env:// reads RANK and WORLD_SIZE itself
+            kw = {"rank": int(os.environ["RANK"]), "world_size": int(os.environ["WORLD_SIZE"])}
+        dist.init_process_group(self.backend, init_method=init_method,
+                                timeout=datetime.timedelta(seconds=timeout), **kw)
         self.rank, self.size = dist.get_rank(), dist.get_world_size()
         self._ops = {"sum": dist.ReduceOp.SUM, "prod": dist.ReduceOp.PRODUCT,
                      "min": dist.ReduceOp.MIN, "max": dist.ReduceOp.MAX,

@@ -16,6 +16,9 @@ HOST_CEILING = "host memcpy"
 def label(run: dict[str, Any]) -> str:
     if run["library"] == "gpucoll":
         return f"gpucoll ({run.get('backend')}/{run.get('transport')})"
+    if run.get("backend") in (None, run["library"]):
+        torch = run.get("versions", {}).get("torch")
+        return f"{run['library']} (torch {torch})" if torch else run["library"]
     return f"{run['library']} ({run.get('backend')})"
 
 

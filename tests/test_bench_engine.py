@@ -1,0 +1,164 @@
+"""The sweep engine: one table line per case, timings combined over ranks, wrong data counted.
+
+The single-process tests drive the engine through a one-rank library written here with NumPy;
+the multi-process ones run the real communicator on 2 ranks and read the printed table back
+with the nccl-tests log parser.
+"""
+
+from __future__ import annotations
+
+import io
+
+import numpy as np
+import pytest
+from multiproc import spawn
+from test_bench_report import parse_log
+
+from gpucoll.bench.engine import Case, Engine, case_total, cases, combine, placed
+from gpucoll.bench.memory import HostMemory
+from gpucoll.bench.options import parse_args
+
+
+class OneRank:
+    """A library of one rank: every collective is a copy (what it is on one rank)."""
+
+    name, rank, size = "one", 0, 1
+
+    def __init__(self, broken: str = "", no_in_place: str = ""):
+        self.broken, self.no_in_place, self.calls = broken, no_in_place, {}
+
+    def describe(self):
+        return {"library": self.name}
+
+    def prepare(self, op, send, recv, redop, root, in_place):
+        if in_place and op == self.no_in_place:
+            return None
+
+        def call():
+            self.calls[op] = self.calls.get(op, 0) + 1
+            if send is not recv:
+                np.copyto(recv, send)
+            if op == self.broken and recv.size:
+                recv[0] = 99
+
+        return call
+
+    def barrier(self):
+        pass
+
+    def close(self):
+        pass
+
+
+def _engine(lib, argv):
+    return Engine(lib, HostMemory(), parse_args(argv))
+
+
+def test_a_correct_library_gets_no_wrong_elements():
+    r = _engine(OneRank(), ["-n", "3", "-w", "1"]).run(Case("all_reduce", 64, "float", "sum", -1))
+    assert (r.size, r.count, r.type, r.redop, r.root) == (64, 16, "float", "sum", -1)
+    assert r.out_of_place.wrong == 0 and r.in_place.wrong == 0
+    assert r.in_place.time_us > 0
+
+
+def test_a_library_that_corrupts_data_is_caught_by_the_check_pass():
+    r = _engine(OneRank(broken="all_gather"), []).run(Case("all_gather", 64, "int32", "none",
+                                                            -1))
+    assert r.out_of_place.wrong == 1
+
+
+def test_check_zero_skips_the_correctness_pass():
+    r = _engine(OneRank(broken="all_reduce"), ["-c", "0"]).run(
+        Case("all_reduce", 64, "float", "sum", -1))
+    assert r.in_place.wrong is None
+
+
+def test_warmup_timed_and_check_iterations_are_all_run():
+    lib = OneRank(no_in_place="broadcast")
+    _engine(lib, ["-w", "4", "-n", "7", "-c", "2"]).run(Case("broadcast", 8, "float", "none", 0))
+    # out of place only: 4 warm-up + 7 timed + 2 checks
+    assert lib.calls["broadcast"] == 4 + 7 + 2
+    # the engine's own sums over ranks (the time, the wrong count) use the library too
+    assert lib.calls["all_reduce"] == 2
+
+
+def test_a_form_the_library_lacks_is_reported_as_not_measured():
+    r = _engine(OneRank(no_in_place="reduce"), []).run(Case("reduce", 8, "float", "sum", 0))
+    assert r.in_place is None and r.out_of_place is not None
+
+
+def test_zero_byte_sizes_still_run_like_nccl_tests():
+    r = _engine(OneRank(), []).run(Case("all_to_all", 2, "float", "none", -1))
+    assert (r.size, r.count, r.out_of_place.algbw) == (0, 0, 0.0)
+
+
+def test_in_place_buffers_alias_as_nccl_defines_them():
+    send, recv = np.zeros(8), np.zeros(8)
+    s, r = placed("all_gather", send, recv, 1, 4, True)
+    assert np.shares_memory(s, recv) and s.size == 2 and s.__array_interface__["data"][0] == (
+        recv[2:].__array_interface__["data"][0])
+    s, r = placed("reduce_scatter", send, recv, 3, 4, True)
+    assert r.size == 2 and np.shares_memory(r, send[6:])
+    s, r = placed("all_reduce", send, recv, 0, 4, True)
+    assert s is recv and r is recv
+
+
+@pytest.mark.parametrize("mode,value", [(0, 3.0), (1, 2.0), (2, 1.0), (3, 3.0)])
+def test_times_combine_over_ranks_as_nccl_tests_average_flag(mode, value):
+    assert combine(np.array([3.0, 1.0, 2.0]), mode) == value
+
+
+def test_cases_skip_operators_a_type_cannot_take():
+    listed = list(cases(parse_args("all_reduce broadcast -d int32 -o avg,sum -r all -b 8 -e 16 "
+                                   "-f 2".split()), 2))
+    skipped = [c for c in listed if isinstance(c, str)]
+    assert len(skipped) == 1 and "avg" in skipped[0] and "int32" in skipped[0]
+    run = [c for c in listed if isinstance(c, Case)]
+    assert [(c.op, c.redop, c.root, c.nbytes) for c in run] == [
+        ("all_reduce", "sum", -1, 8), ("all_reduce", "sum", -1, 16),
+        ("broadcast", "none", 0, 8), ("broadcast", "none", 0, 16),
+        ("broadcast", "none", 1, 8), ("broadcast", "none", 1, 16)]
+    assert case_total(parse_args("all_reduce broadcast -d int32 -o avg,sum -r all -b 8 -e 16 "
+                                 "-f 2".split()), 2) == 6
+
+
+def test_a_root_beyond_the_ranks_is_skipped_with_a_reason():
+    listed = list(cases(parse_args("reduce -r 5 -b 8 -e 8".split()), 2))
+    assert listed == ["skipped reduce root 5: only 2 ranks"]
+
+
+# -- the real communicator on 2 ranks ----------------------------------------------------
+
+ALL = ["all", "-b", "8", "-e", "64K", "-f", "64", "-n", "3", "-w", "1", "-d", "float,int32"]
+
+
+def _sweep_rank(rank, n, addr, argv):
+    import gpucoll
+    from gpucoll.bench.libraries import GpucollLibrary
+    from gpucoll.bench.ranks import sweep
+    from gpucoll.bench.session import Console
+
+    opts = parse_args(argv)
+    out = io.StringIO()
+    console = Console(opts, argv, out=out) if rank == 0 else None
+    comm = gpucoll.init(rank=rank, world_size=n, store=addr, timeout=30)
+    try:
+        sweep(GpucollLibrary(comm), HostMemory(), opts, console)
+    finally:
+        comm.close()
+    return (out.getvalue(), console.close()) if console else None
+
+
+@pytest.mark.slow
+def test_every_operation_runs_correctly_on_two_ranks(store_addr):
+    text, status = spawn(_sweep_rank, 2, store_addr, ALL, timeout=90)[0]
+    log = parse_log(text)
+    assert status == 0
+    # 7 ops x 2 types x 3 sizes (8, 512, 32K)
+    assert len(log["rows"]) == 42
+    for row in log["rows"]:
+        cells = [row[p] for p in ("out_of_place", "in_place") if row[p]["time"] is not None]
+        assert cells, row
+        assert all(c["wrong"] == 0 for c in cells), row
+    assert text.count("# Out of bounds values : 0 OK") == 7
+    assert "# Library gpucoll: backend ring, transport " in text
