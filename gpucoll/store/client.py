@@ -14,7 +14,14 @@ from collections.abc import Sequence
 
 from gpucoll.errors import StoreError, StoreTimeout
 from gpucoll.store.connection import Connection
-from gpucoll.store.protocol import DEFAULT_MAX_VALUE_BYTES, Op, Status, pack_timeout
+from gpucoll.store.protocol import (
+    DEFAULT_MAX_VALUE_BYTES,
+    NO_REPLY,
+    Op,
+    Status,
+    encode,
+    pack_timeout,
+)
 from gpucoll.store.server import StoreServer, env_token
 
 _WILDCARDS = {"", "0.0.0.0", "::", "*"}
@@ -79,8 +86,11 @@ class TCPStore:
     # ----------------------------------------------------------------- writes
     def set(self, key: str, value: bytes | str) -> None:
         """Store ``value`` under ``key`` (fire-and-forget; see the module docstring)."""
-        args = [_key(key), self._value(value, "set")]
-        self._conn.post(Op.SET, args, self._deadline(None), f"set({key!r})")
+        if type(value) is not bytes or len(value) > self._conn.max_value_bytes:
+            value = self._value(value, "set")
+        if type(key) is not str:
+            _key(key)
+        self._conn.post(encode(Op.SET, NO_REPLY, [key.encode(), value]), "set")
 
     def multi_set(self, keys: Sequence[str], values: Sequence[bytes | str]) -> None:
         """Set several keys in one request (fire-and-forget, applied in order)."""
@@ -90,7 +100,7 @@ class TCPStore:
                              f"{len(values) if not isinstance(values, (str, bytes)) else 1}")
         vs = [self._value(v, "multi_set") for v in values]
         if ks:
-            self._conn.post(Op.MULTI_SET, ks + vs, self._deadline(None), "multi_set")
+            self._conn.post(encode(Op.MULTI_SET, NO_REPLY, ks + vs), "multi_set")
 
     def add(self, key: str, amount: int) -> int:
         """Atomically add ``amount`` to the integer at ``key`` (0 if unset); the new value."""

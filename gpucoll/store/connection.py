@@ -9,6 +9,7 @@ one send and one receive, nothing more).
 from __future__ import annotations
 
 import socket
+import struct
 import threading
 import time
 
@@ -27,6 +28,9 @@ from gpucoll.store.protocol import (
     encode,
 )
 
+# longest single blocking recv; the deadline is re-checked after each
+_MAX_SLICE = 1.0
+
 
 class _Slot:
     __slots__ = ("frame",)
@@ -43,6 +47,10 @@ class Connection:
         deadline = time.monotonic() + timeout
         self._sock = _connect(host, port, timeout, deadline)
         self._sock.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
+        # Blocking socket with kernel-side timeouts: no poll() before every send and recv.
+        self._sock.settimeout(None)
+        _set_timeo(self._sock, socket.SO_SNDTIMEO, min(max(timeout, 1.0), 60.0))
+        self._rcv_timeo = 0.0
         self._reader = FrameReader(DEFAULT_MAX_VALUE_BYTES + FRAME_SLACK)
         self._send_lock = threading.Lock()
         self._cond = threading.Condition()
@@ -63,11 +71,12 @@ class Connection:
         self.max_value_bytes = int(args[0])
         self._reader.limit = self.max_value_bytes + FRAME_SLACK
 
-    def post(self, op: int, args: list[bytes], deadline: float, what: str) -> None:
-        """Send a request that gets no reply on success (errors break the connection)."""
-        with self._cond:
+    def post(self, bufs: list[bytes], what: str) -> None:
+        """Send an encoded request that gets no reply on success (a failure breaks the
+        connection, reported by the next call)."""
+        if self._error is not None:
             self._raise_if_broken(what)
-        self._send(encode(op, NO_REPLY, args), deadline, what)
+        self._send(bufs, what)
 
     def request(self, op: int, args: list[bytes], deadline: float,
                 what: str) -> tuple[int, list[bytes]]:
@@ -78,14 +87,23 @@ class Connection:
             rid = self._next_rid
             self._next_rid = rid % 0xFFFFFFFF + 1
             self._pending[rid] = slot
+            reader = not self._reading  # the common case: nobody else is reading
+            self._reading = True
         try:
-            self._send(encode(op, rid, args), deadline, what)
-            frame = self._await(slot, deadline, what)
+            self._send(encode(op, rid, args), what)
+            if reader:
+                self._read_until(slot, deadline, what)
+            else:
+                self._await(slot, deadline, what)
         finally:
             with self._cond:
-                self._pending.pop(rid, None)
+                del self._pending[rid]
+                if reader:
+                    self._reading = False
+                    if self._pending:
+                        self._cond.notify_all()
         try:
-            return frame.code, decode_args(frame)
+            return slot.frame.code, decode_args(slot.frame)
         except FrameError as exc:
             raise StoreError(f"store at {self.address} sent a malformed reply to {what}: "
                              f"{exc}") from None
@@ -113,18 +131,18 @@ class Connection:
                 self._error = message
             self._cond.notify_all()
 
-    def _send(self, bufs: list[bytes], deadline: float, what: str) -> None:
+    def _send(self, bufs: list[bytes], what: str) -> None:
         with self._send_lock:
             try:
                 for buf in bufs:
-                    self._sock.settimeout(max(deadline - time.monotonic(), 1e-3))
                     self._sock.sendall(buf)
             except OSError as exc:
                 # a partly written frame leaves the stream unusable
-                self._broken(f"lost connection to store at {self.address} ({exc})")
+                self._broken(f"lost connection to store at {self.address} ({exc!r})")
                 self._raise_if_broken(what)
 
-    def _await(self, slot: _Slot, deadline: float, what: str) -> Frame:
+    def _await(self, slot: _Slot, deadline: float, what: str) -> None:
+        """Wait for another thread to read our reply, or take over reading when it stops."""
         while True:
             with self._cond:
                 while slot.frame is None and self._reading and self._error is None:
@@ -134,11 +152,12 @@ class Connection:
                                            f"by the deadline")
                     self._cond.wait(remaining)
                 if slot.frame is not None:
-                    return slot.frame
+                    return
                 self._raise_if_broken(what)
                 self._reading = True
             try:
                 self._read_until(slot, deadline, what)
+                return
             finally:
                 with self._cond:
                     self._reading = False
@@ -150,21 +169,27 @@ class Connection:
             if remaining <= 0:
                 raise StoreTimeout(f"{what}: no reply from store at {self.address} "
                                    f"by the deadline")
-            self._sock.settimeout(remaining)
+            want = min(remaining, _MAX_SLICE)
+            if want != self._rcv_timeo:
+                _set_timeo(self._sock, socket.SO_RCVTIMEO, want)
+                self._rcv_timeo = want
             try:
                 frames = self._reader.read_from(self._sock)
-            except TimeoutError:
+            except (BlockingIOError, InterruptedError):  # SO_RCVTIMEO passed: check the clock
                 continue
             except (OSError, FrameError) as exc:
-                self._broken(f"lost connection to store at {self.address} ({exc})")
+                self._broken(f"lost connection to store at {self.address} ({exc!r})")
                 self._raise_if_broken(what)
             if frames is None:
                 self._broken(f"lost connection to store at {self.address} "
                              f"(the server closed it)")
                 self._raise_if_broken(what)
-            self._deliver(frames, what)
+            self._deliver(frames, slot, what)
 
-    def _deliver(self, frames: list[Frame], what: str) -> None:
+    def _deliver(self, frames: list[Frame], mine: _Slot, what: str) -> None:
+        if len(frames) == 1 and self._pending.get(frames[0].rid) is mine:
+            mine.frame = frames[0]  # our own reply: nobody else to wake
+            return
         with self._cond:
             for frame in frames:
                 if frame.rid == NO_REPLY:  # an earlier fire-and-forget request failed
@@ -176,6 +201,14 @@ class Connection:
                 if target is not None:  # else: a reply to a request given up on
                     target.frame = frame
             self._cond.notify_all()
+
+
+def _set_timeo(sock: socket.socket, option: int, seconds: float) -> None:
+    """Kernel-side send/receive timeout of a blocking socket (0 would mean forever)."""
+    seconds = max(seconds, 1e-3)
+    sec = int(seconds)
+    sock.setsockopt(socket.SOL_SOCKET, option, struct.pack("ll", sec,
+                                                             int((seconds - sec) * 1e6)))
 
 
 def _connect(host: str, port: int, timeout: float, deadline: float) -> socket.socket:

@@ -18,6 +18,7 @@ from typing import NamedTuple
 VERSION = b"gpucoll-store/1"
 HEADER = struct.Struct("<IBII")
 HEADER_SIZE = HEADER.size
+_HEADER2 = struct.Struct("<IBIIII")  # header and the lengths of two arguments
 NO_REPLY = 0
 DEFAULT_MAX_VALUE_BYTES = 256 << 20
 # room for keys and lengths beside the largest value in one frame
@@ -69,6 +70,11 @@ class Frame(NamedTuple):
 
 def encode(code: int, rid: int, args: Sequence[bytes]) -> list[bytes]:
     """Frame ``args``; small frames come back as one buffer, large ones as a list to send."""
+    if len(args) == 2:  # the hot path: set(key, value), get(timeout, key), add(key, amount)
+        a, b = args
+        size = len(a) + len(b)
+        head = _HEADER2.pack(8 + size, code, rid, 2, len(a), len(b))
+        return [head + a + b] if size < _JOIN_BELOW else [head, a, b]
     lengths = [len(a) for a in args]
     head = HEADER.pack(4 * len(args) + sum(lengths), code, rid, len(args))
     head += struct.pack(f"<{len(args)}I", *lengths)
