@@ -78,8 +78,7 @@ class DeviceBuffer:
         self._rt = rt
 
     def __del__(self):
-        with contextlib.suppress(Exception):
-            self._rt.unregister(self.ptr)
+        self._rt.release(self._mem)
 
 
 class FakeDeviceArray:
@@ -108,8 +107,7 @@ class FakeDeviceArray:
         return self._host.copy()
 
     def __del__(self):
-        with contextlib.suppress(Exception):
-            self._rt.unregister(self.ptr)
+        self._rt.release(self._host)
 
 
 # ---- streams and events --------------------------------------------------------------------
@@ -173,18 +171,20 @@ class EmulatedRuntime:
 
     name = "emulated"
 
-    def __init__(self, store_addr: str, devices: int = 8, hang_timeout: float = 30.0):
+    def __init__(self, store_addr: str, devices: int = 8, hang_timeout: float = 30.0,
+                 comm_split: bool = True):
         host, port = parse_address(store_addr)
         self.store = TCPStore(host, port, timeout=60.0)
         self.devices, self.hang_timeout = devices, hang_timeout
         self.misuse: list[str] = []
         self._allocs: dict[int, Alloc] = {}
+        self._graveyard: list[np.ndarray] = []
         self._streams: dict[int, EmuStream] = {}
         self._next_stream = 0x1000
         self._lock = threading.RLock()
         self._local = threading.local()
         self.held = threading.Event()  # set: NCCL work waits (a peer "never arrives")
-        self.module = EmulatedNccl(self)
+        self.module = EmulatedNccl(self, comm_split)
 
     # memory
     def register(self, arr: np.ndarray, device: int | None, kind: str) -> int:
@@ -203,6 +203,11 @@ class EmulatedRuntime:
                 if a.base <= ptr and ptr + nbytes <= a.base + a.nbytes:
                     return a
         return None
+
+    def release(self, mem: np.ndarray) -> None:
+        """Free emulated device memory the way CUDA's stream-ordered allocators do: not
+        before the work already queued has run (here: at the next ``synchronize``)."""
+        self._graveyard.append(mem)
 
     def report(self, message: str) -> None:
         self.misuse.append(message)
@@ -318,6 +323,10 @@ class EmulatedRuntime:
             s.submit(ev.set)
             if not ev.wait(max(0.0, deadline - time.monotonic())):
                 raise Misuse(f"stream {s.handle:#x} did not drain within {timeout} s")
+        with self._lock:
+            dead, self._graveyard = self._graveyard, []
+            for mem in dead:
+                self._allocs.pop(mem.__array_interface__["data"][0], None)
 
     def close(self) -> None:
         with self._lock:
@@ -341,10 +350,11 @@ class EmulatedNccl:
     get_version = staticmethod(_real_nccl.get_version)
     get_build_version = staticmethod(_real_nccl.get_build_version)
 
-    def __init__(self, rt: EmulatedRuntime):
+    def __init__(self, rt: EmulatedRuntime, comm_split: bool = True):
         self.rt = rt
         self._local = threading.local()
-        self.NcclCommunicator = type("NcclCommunicator", (EmulatedComm,), {"_rt": rt})
+        bases = (EmulatedComm, SplitMixin) if comm_split else (EmulatedComm,)
+        self.NcclCommunicator = type("NcclCommunicator", bases, {"_rt": rt})
 
     def _group(self) -> list | None:
         return getattr(self._local, "ops", None)
@@ -472,22 +482,6 @@ class EmulatedComm:
     def recv(self, recvbuf, count, datatype, peer, stream):
         self._enqueue(Op(self, "recv", recv=recvbuf, count=count, dtype=datatype, peer=peer,
                          stream=stream))
-
-    def commSplit(self, color: int, key: int, config: Any = None):
-        """Blocking and collective over this communicator, like ncclCommSplit."""
-        self._check_alive()
-        self._split_seq += 1
-        store, base = self._rt.store, f"{self._prefix}/split/{self._split_seq}"
-        store.set(f"{base}/{self._rank}", f"{color} {key}")
-        keys = [f"{base}/{r}" for r in range(self._size)]
-        store.wait(keys, timeout=self._rt.hang_timeout)
-        pairs = [tuple(int(v) for v in raw.split()) for raw in store.multi_get(keys)]
-        if color == -1:
-            return None
-        members = sorted((k, r) for r, (c, k) in enumerate(pairs) if c == color)
-        new_rank = [r for _, r in members].index(self._rank)
-        uid = hashlib.sha512(self._uid + f"{self._split_seq}/{color}".encode()).digest()
-        return type(self)(len(members), uid + uid[:64], new_rank)
 
     # -- checks at the call (what NCCL's ArgsCheck and CUDA would refuse)
     def _check_alive(self) -> None:
@@ -686,6 +680,26 @@ class EmulatedComm:
         if op.name == "reduceScatter":
             return total[self._rank * op.count:(self._rank + 1) * op.count]
         return total
+
+
+class SplitMixin:
+    """``commSplit`` (CuPy >= 13 with NCCL >= 2.18); left out to emulate older bindings."""
+
+    def commSplit(self, color: int, key: int, config: Any = None):
+        """Blocking and collective over this communicator, like ncclCommSplit."""
+        self._check_alive()
+        self._split_seq += 1
+        store, base = self._rt.store, f"{self._prefix}/split/{self._split_seq}"
+        store.set(f"{base}/{self._rank}", f"{color} {key}")
+        keys = [f"{base}/{r}" for r in range(self._size)]
+        store.wait(keys, timeout=self._rt.hang_timeout)
+        pairs = [tuple(int(v) for v in raw.split()) for raw in store.multi_get(keys)]
+        if color == -1:
+            return None
+        members = sorted((k, r) for r, (c, k) in enumerate(pairs) if c == color)
+        new_rank = [r for _, r in members].index(self._rank)
+        uid = hashlib.sha512(self._uid + f"{self._split_seq}/{color}".encode()).digest()
+        return type(self)(len(members), uid + uid[:64], new_rank)
 
 
 class _Aborted(Exception):

@@ -98,6 +98,8 @@ class NcclBackend(Backend):
         return s
 
     def _end(self, opname: str, s: int, timeout: float, keep: Any = None) -> None:
+        """Record the event that marks the call's completion and hand it to the watchdog;
+        ``keep`` (temporaries) stays referenced until then."""
         event = self._rt.record_event(s)
         self._last = Pending(event, time.monotonic() + timeout, opname, timeout, keep)
         self._watchdog.add(self._last)

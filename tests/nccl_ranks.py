@@ -1,0 +1,271 @@
+"""Rank bodies for the NCCL-backend tests: each runs in a spawned process against the emulation.
+
+Every body installs an ``EmulatedRuntime`` (device memory = host memory exposing
+``__cuda_array_interface__``), builds a Communicator with ``backend="nccl"``, checks its results
+against NumPy, and finally asserts that the emulated NCCL saw no misuse.
+"""
+
+from __future__ import annotations
+
+import contextlib
+
+import ml_dtypes
+import numpy as np
+from nccl_emulation import EmulatedRuntime, FakeDeviceArray
+
+from gpucoll import cuda
+from gpucoll.default import create
+
+BF16 = np.dtype(ml_dtypes.bfloat16)
+
+
+def data(rank: int, shape: tuple, dtype) -> np.ndarray:
+    """Rank-specific, exactly representable test values of ``dtype``."""
+    dtype = np.dtype(dtype)
+    n = int(np.prod(shape))
+    base = (np.arange(n) % 7 + rank + 1).reshape(shape)
+    if dtype.kind == "b":
+        return ((base + rank) % 2).astype(bool)
+    if dtype.kind == "c":
+        return (base + 1j * (base - rank)).astype(dtype)
+    return base.astype(dtype)
+
+
+@contextlib.contextmanager
+def emulated(addr: str, rank: int, n: int, *, timeout: float = 30.0, **kw):
+    """(runtime, communicator) on the emulation; checks for misuse on the way out."""
+    rt = EmulatedRuntime(addr, **kw)
+    cuda.set_runtime(rt)
+    comm = create("nccl", rank=rank, world_size=n, store=addr, timeout=timeout)
+    try:
+        yield rt, comm
+        rt.synchronize()
+        assert rt.misuse == [], rt.misuse
+    finally:
+        comm.close()
+        rt.close()
+        cuda.set_runtime(None)
+
+
+def dev(rt, arr) -> FakeDeviceArray:
+    return FakeDeviceArray(arr, rt)
+
+
+def reduce_all(op: str, parts: list[np.ndarray]) -> np.ndarray:
+    fn = {"sum": np.add, "prod": np.multiply, "min": np.minimum, "max": np.maximum,
+          "band": np.bitwise_and, "bor": np.bitwise_or, "bxor": np.bitwise_xor,
+          "avg": np.add}[op]
+    out = parts[0].copy()
+    for p in parts[1:]:
+        out = fn(out, p)
+    if op == "avg":
+        out = out / len(parts)
+    return out.astype(parts[0].dtype)
+
+
+ALL_REDUCE_CASES = [
+    ("sum", np.float32), ("sum", np.float64), ("sum", np.float16), ("sum", BF16),
+    ("sum", np.int8), ("sum", np.uint8), ("sum", np.int32), ("sum", np.uint32),
+    ("sum", np.int64), ("sum", np.uint64), ("prod", np.int64), ("min", np.float32),
+    ("max", np.int32), ("avg", np.float32), ("avg", np.float64), ("avg", BF16),
+    ("sum", np.complex64), ("avg", np.complex128), ("band", np.int32), ("bor", np.bool_),
+    ("bxor", np.uint16), ("sum", np.int16), ("max", np.uint16),
+]
+
+
+def all_reduce_cases(rank: int, n: int, addr: str) -> list:
+    with emulated(addr, rank, n) as (rt, comm):
+        for op, dtype in ALL_REDUCE_CASES:
+            x = dev(rt, data(rank, (3, 5), dtype))
+            assert comm.all_reduce(x, op=op) is x
+            want = reduce_all(op, [data(r, (3, 5), dtype) for r in range(n)])
+            got = x.get()
+            assert got.dtype == np.dtype(dtype)
+            np.testing.assert_allclose(got.astype(np.complex128), want.astype(np.complex128),
+                                       rtol=1e-2, err_msg=f"{op} {np.dtype(dtype).name}")
+        return [name for name, _ in comm._backend._comm.calls]
+
+
+def rooted_cases(rank: int, n: int, addr: str) -> None:
+    with emulated(addr, rank, n) as (rt, comm):
+        for root in range(n):
+            x = dev(rt, data(rank, (4,), np.float32))
+            comm.broadcast(x, root=root)
+            np.testing.assert_array_equal(x.get(), data(root, (4,), np.float32))
+            for op, dtype in (("sum", np.int32), ("bor", np.uint8), ("sum", np.complex64)):
+                y = dev(rt, data(rank, (2, 3), dtype))
+                comm.reduce(y, root=root, op=op)
+                if rank == root:
+                    want = reduce_all(op, [data(r, (2, 3), dtype) for r in range(n)])
+                    np.testing.assert_array_equal(y.get(), want)
+
+
+def gather_cases(rank: int, n: int, addr: str) -> None:
+    with emulated(addr, rank, n) as (rt, comm):
+        parts = [data(r, (2, 3), np.int64) for r in range(n)]
+        out = comm.all_gather(dev(rt, parts[rank]))
+        assert isinstance(out, FakeDeviceArray) and out.shape == (n, 2, 3)
+        np.testing.assert_array_equal(out.get(), np.stack(parts))
+        tiled = comm.all_gather(dev(rt, parts[rank]), tiled=True)
+        np.testing.assert_array_equal(tiled.get(), np.concatenate(parts))
+        for root in range(n):
+            got = comm.gather(dev(rt, parts[rank]), root=root)
+            if rank == root:
+                np.testing.assert_array_equal(got.get(), np.stack(parts))
+            else:
+                assert got is None
+
+
+def scatter_cases(rank: int, n: int, addr: str) -> None:
+    with emulated(addr, rank, n) as (rt, comm):
+        full = np.arange(n * 6, dtype=np.float64).reshape(n, 2, 3)
+        for root in range(n):
+            src = dev(rt, full) if rank == root else None
+            got = comm.scatter(src, root=root)
+            assert isinstance(got, FakeDeviceArray)
+            np.testing.assert_array_equal(got.get(), full[rank])
+        out = dev(rt, np.zeros(3, np.float64))
+        src = dev(rt, full.reshape(-1)[: n * 3]) if rank == 0 else None
+        comm.scatter(src, root=0, tiled=True, out=out)
+        np.testing.assert_array_equal(out.get(), full.reshape(-1)[rank * 3:rank * 3 + 3])
+
+
+def exchange_cases(rank: int, n: int, addr: str) -> None:
+    with emulated(addr, rank, n) as (rt, comm):
+        for op, dtype in (("sum", np.float32), ("max", np.int64), ("bxor", np.int32),
+                          ("sum", np.int16), ("avg", np.complex64)):
+            x = data(rank, (n, 4), dtype)
+            got = comm.reduce_scatter(dev(rt, x), op=op)
+            want = reduce_all(op, [data(r, (n, 4), dtype) for r in range(n)])[rank]
+            np.testing.assert_allclose(got.get(), want, rtol=1e-6)
+        x = np.array([[rank * 10 + j] * 3 for j in range(n)], dtype=np.uint16)
+        got = comm.all_to_all(dev(rt, x))
+        np.testing.assert_array_equal(got.get(), [[j * 10 + rank] * 3 for j in range(n)])
+
+
+def send_recv_ring(rank: int, n: int, addr: str) -> None:
+    with emulated(addr, rank, n) as (rt, comm):
+        right, left = (rank + 1) % n, (rank - 1) % n
+        box = dev(rt, np.zeros(5, np.complex128))
+        if rank % 2 == 0:  # even ranks send first: ungrouped send/recv must not cross
+            comm.send(dev(rt, data(rank, (5,), np.complex128)), right)
+            comm.recv(box, left)
+        else:
+            comm.recv(box, left)
+            comm.send(dev(rt, data(rank, (5,), np.complex128)), right)
+        np.testing.assert_array_equal(box.get(), data(left, (5,), np.complex128))
+        comm.barrier()
+
+
+def stream_cases(rank: int, n: int, addr: str) -> list:
+    """NCCL gets stream=, else the current stream; the streams NCCL saw are returned."""
+    with emulated(addr, rank, n) as (rt, comm):
+        s1, s2 = rt.new_stream(), rt.new_stream()
+        x = dev(rt, data(rank, (4,), np.float32))
+        comm.all_reduce(x, stream=s1)
+        with rt.use_stream(s2):
+            comm.all_reduce(x)
+            comm.all_gather(x)
+        comm.broadcast(x, root=0)
+        return [args["stream"] for _, args in comm._backend._comm.calls]
+
+
+def producer_stream_is_waited_on(rank: int, n: int, addr: str) -> bool:
+    """A CAI v3 array names the stream that produced it; NCCL's work must come after it."""
+    with emulated(addr, rank, n) as (rt, comm):
+        producer = rt.new_stream()
+        x = FakeDeviceArray(np.zeros(4, np.float32), rt, stream=producer)
+        gate = __import__("threading").Event()
+        rt.stream(producer).submit(gate.wait)  # the producer has not finished writing x
+        rt.memcpy_async(x.ptr, dev(rt, data(rank, (4,), np.float32)).ptr, 16, producer)
+        comm.all_reduce(x)  # enqueued on the current stream, after the producer's event
+        gate.set()
+        want = reduce_all("sum", [data(r, (4,), np.float32) for r in range(n)])
+        np.testing.assert_array_equal(x.get(), want)
+        return True
+
+
+def async_cases(rank: int, n: int, addr: str) -> None:
+    with emulated(addr, rank, n) as (rt, comm):
+        x = dev(rt, data(rank, (4,), np.float32))
+        work = comm.all_reduce(x, async_op=True)
+        assert type(work).__name__ == "EventWork"
+        assert work.wait() is x  # orders the current stream; the host does not block
+        assert work.synchronize(timeout=30) is x
+        assert work.is_completed()
+        np.testing.assert_array_equal(x.get(), reduce_all(
+            "sum", [data(r, (4,), np.float32) for r in range(n)]))
+        works = [comm.all_gather(dev(rt, data(rank, (2,), np.int32)), async_op=True)
+                 for _ in range(3)]
+        results = [w.synchronize(timeout=30).get() for w in works]
+        assert all(r.shape == (n, 2) for r in results)
+
+
+def split_cases(rank: int, n: int, addr: str, comm_split: bool) -> tuple:
+    with emulated(addr, rank, n, comm_split=comm_split) as (rt, comm):
+        color = None if rank == n - 1 else rank % 2
+        sub = comm.split(color, key=-rank)
+        if sub is None:
+            return (None, None, None)
+        x = dev(rt, np.array([rank], np.int64))
+        sub.all_reduce(x)
+        result = (sub.rank, sub.size, int(x.get()[0]))
+        sub.close()
+        return result
+
+
+def missing_rank_at_start(rank: int, n: int, addr: str) -> str:
+    """Rank 1 never joins; rank 0 must get a CollectiveTimeout naming it."""
+    if rank == 1:
+        return ""
+    from gpucoll.backends.nccl import NcclBackend
+    from gpucoll.errors import CollectiveTimeout
+    from gpucoll.store import PrefixStore, TCPStore, parse_address
+
+    rt = EmulatedRuntime(addr)
+    cuda.set_runtime(rt)
+    store = TCPStore(*parse_address(addr), timeout=10)
+    try:
+        NcclBackend(PrefixStore("g/", store), 0, n, timeout=1.0)
+    except CollectiveTimeout as exc:
+        return str(exc)
+    finally:
+        store.close()
+        rt.close()
+    raise AssertionError("start-up without rank 1 did not time out")
+
+
+def peer_never_calls(rank: int, n: int, addr: str) -> str:
+    """Rank 1 skips an all_reduce: rank 0's watchdog aborts and reports a CollectiveTimeout."""
+    from gpucoll.errors import CollectiveTimeout
+    from gpucoll.store import TCPStore, parse_address
+
+    rt = EmulatedRuntime(addr)
+    cuda.set_runtime(rt)
+    comm = create("nccl", rank=rank, world_size=n, store=addr, timeout=30)
+    store = TCPStore(*parse_address(addr), timeout=30)
+    try:
+        if rank == 1:
+            store.get("test/rank0-done", timeout=30)
+            return ""
+        x = dev(rt, np.ones(4, np.float32))
+        work = comm.all_reduce(x, async_op=True, timeout=1.0)
+        try:
+            work.synchronize()
+        except CollectiveTimeout as exc:
+            message = str(exc)
+        else:
+            raise AssertionError("a collective without its peer completed")
+        try:
+            comm.all_reduce(x)
+        except CollectiveTimeout:
+            pass
+        else:
+            raise AssertionError("the aborted communicator accepted more work")
+        return message
+    finally:
+        if rank == 0:
+            store.set("test/rank0-done", "1")
+        comm.close()
+        store.close()
+        rt.close()
