@@ -269,3 +269,51 @@ def peer_never_calls(rank: int, n: int, addr: str) -> str:
         comm.close()
         store.close()
         rt.close()
+
+
+def staged_ring_cases(rank: int, n: int, addr: str) -> list:
+    """The ring on device arrays: staged through pinned buffers in 64-byte chunks."""
+    from gpucoll.backends import staged
+
+    staged.CHUNK_BYTES = 64
+    rt = EmulatedRuntime(addr)
+    cuda.set_runtime(rt)
+    comm = create("ring", rank=rank, world_size=n, store=addr, timeout=30)
+    try:
+        s = rt.new_stream()
+        x = dev(rt, data(rank, (50,), np.float64))  # 400 bytes: 7 chunks
+        comm.all_reduce(x, stream=s)
+        np.testing.assert_array_equal(x.get(), reduce_all(
+            "sum", [data(r, (50,), np.float64) for r in range(n)]))
+        y = dev(rt, data(rank, (33,), np.int32))
+        comm.broadcast(y, root=1)
+        np.testing.assert_array_equal(y.get(), data(1, (33,), np.int32))
+        z = dev(rt, data(rank, (20,), np.uint16))
+        comm.reduce(z, root=0, op="bxor")
+        if rank == 0:
+            np.testing.assert_array_equal(z.get(), reduce_all(
+                "bxor", [data(r, (20,), np.uint16) for r in range(n)]))
+        g = comm.all_gather(dev(rt, data(rank, (3,), np.float32)))
+        assert isinstance(g, FakeDeviceArray)
+        np.testing.assert_array_equal(g.get(), np.stack([data(r, (3,), np.float32)
+                                                         for r in range(n)]))
+        rs = comm.reduce_scatter(dev(rt, data(rank, (n, 5), np.int64)), op="max")
+        np.testing.assert_array_equal(rs.get(), reduce_all(
+            "max", [data(r, (n, 5), np.int64) for r in range(n)])[rank])
+        box = dev(rt, np.zeros(30, np.complex64))
+        if rank == 0:
+            comm.send(dev(rt, data(0, (30,), np.complex64)), 1)
+        elif rank == 1:
+            comm.recv(box, 0)
+            np.testing.assert_array_equal(box.get(), data(0, (30,), np.complex64))
+        w = comm.all_reduce(dev(rt, data(rank, (40,), np.float32)), async_op=True)
+        got = w.wait(timeout=30).get()
+        np.testing.assert_array_equal(got, reduce_all(
+            "sum", [data(r, (40,), np.float32) for r in range(n)]))
+        rt.synchronize()
+        assert rt.misuse == [], rt.misuse
+        return [c for c in rt.misuse]
+    finally:
+        comm.close()
+        rt.close()
+        cuda.set_runtime(None)
