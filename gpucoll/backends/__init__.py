@@ -22,9 +22,11 @@ Factory = Callable[..., Backend]
 
 def _ring(store: Any, rank: int, size: int, *, timeout: float, device: Any = None) -> Backend:
     from gpucoll.backends.ring import RingBackend
+    from gpucoll.backends.staged import StagedBackend
 
     transport = os.environ.get("GPUCOLL_TRANSPORT", "auto") or "auto"
-    return RingBackend(store, rank, size, timeout=timeout, transport=transport)
+    # device arrays on the ring are staged through pinned host memory; host ones pass through
+    return StagedBackend(RingBackend(store, rank, size, timeout=timeout, transport=transport))
 
 
 def _nccl(store: Any, rank: int, size: int, *, timeout: float, device: Any = None) -> Backend:
