@@ -237,13 +237,20 @@ def _nvlink_down(layout: Layout) -> list[Finding]:
 
 
 def _nvlink_uneven(layout: Layout) -> list[Finding]:
-    """On an NVSwitch every pair has the same link count; fewer on some means links are down."""
+    """On an NVSwitch every pair has the same link count; fewer on some means links are down.
+
+    A pair shows the fewer links of its two GPUs, so a GPU short on most of its pairs is the
+    culprit; without one, every GPU of a short pair is named.
+    """
     if not layout.nvswitch or not layout.nvlink_pairs:
         return []
     counts = list(layout.nvlink_pairs.values())
     usual = max(set(counts), key=lambda c: (counts.count(c), c))
-    short = sorted({g for pair, c in layout.nvlink_pairs.items() if c < usual for g in pair},
-                   key=lambda g: gpu_index(g))
+    pairs = [(p, c < usual) for p, c in layout.nvlink_pairs.items()]
+    names = [g.name for g in layout.gpus]
+    mine = {g: [s for p, s in pairs if g in p] for g in names}
+    short = [g for g in names if 2 * sum(mine[g]) > len(mine[g])]
+    short = short or [g for g in names if any(s and g in p for p, s in pairs)]
     if not short:
         return []
     return [Finding("nvlink-uneven", f"NVSwitch pairs usually have NV{usual}, but "
