@@ -1,0 +1,93 @@
+"""Every example runs under `gpucoll run` with 4 ranks, checks its own result and says so."""
+
+from __future__ import annotations
+
+import os
+import shutil
+import signal
+import subprocess
+import sys
+
+import pytest
+from launch_helpers import launching
+
+EXAMPLES = os.path.join(os.path.dirname(os.path.dirname(os.path.abspath(__file__))), "examples")
+NAMES = ["quickstart", "train_mlp", "normalize", "softmax_argmax", "ring_allreduce",
+         "hierarchical", "spmd"]
+
+
+@pytest.fixture
+def launch(tmp_path):
+    with launching(tmp_path) as start:
+        yield start
+
+
+def example(name: str) -> str:
+    return os.path.join(EXAMPLES, f"{name}.py")
+
+
+def check_line(out: str, name: str) -> str:
+    lines = [line for line in out.splitlines() if line.startswith(f"[rank 0] CHECK {name}:")]
+    assert len(lines) == 1, out
+    return lines[0]
+
+
+def test_every_example_is_listed():
+    found = {f[:-3] for f in os.listdir(EXAMPLES) if f.endswith(".py") and f[0] != "_"}
+    assert found == set(NAMES)
+
+
+@pytest.mark.parametrize("name", NAMES)
+def test_example_passes_its_own_check_on_4_ranks(launch, name):
+    job = launch(["-n", "4", "--timeout", "100", example(name)])
+    assert job.finish(timeout=110) == 0, job.text()
+    assert "passed" in check_line(job.out(), name)
+
+
+@pytest.mark.parametrize("name", ["ring_allreduce", "hierarchical", "spmd"])
+def test_example_also_passes_on_an_odd_number_of_ranks(launch, name):
+    job = launch(["-n", "3", "--timeout", "100", example(name)])
+    assert job.finish(timeout=110) == 0, job.text()
+    assert "passed" in check_line(job.out(), name)
+
+
+def test_training_example_reports_a_falling_loss_and_identical_parameters(launch):
+    job = launch(["-n", "4", "--timeout", "100", example("train_mlp"), "--steps", "40"])
+    assert job.finish(timeout=110) == 0, job.text()
+    line = check_line(job.out(), "train_mlp")
+    assert "over 40 steps" in line and "parameters identical on 4 ranks: True" in line
+
+
+def run_other_launcher(argv: list[str], tmp_path) -> subprocess.CompletedProcess:
+    """Run another launcher in its own session; at the deadline kill all of it and fail."""
+    proc = subprocess.Popen(argv, cwd=tmp_path, stdout=subprocess.PIPE, stderr=subprocess.PIPE,
+                            text=True, start_new_session=True)
+    try:
+        out, err = proc.communicate(timeout=110)
+    except subprocess.TimeoutExpired:
+        os.killpg(proc.pid, signal.SIGKILL)
+        out, err = proc.communicate()
+        pytest.fail(f"{argv[0]} did not finish in 110 s:\n{out}\n{err}")
+    finally:
+        try:
+            os.killpg(proc.pid, signal.SIGKILL)  # anything it left behind
+        except ProcessLookupError:
+            pass
+    return subprocess.CompletedProcess(argv, proc.returncode, out, err)
+
+
+@pytest.mark.slow
+def test_an_example_runs_unchanged_under_torchrun(tmp_path):
+    torchrun = shutil.which("torchrun") or pytest.skip("torchrun is not installed")
+    done = run_other_launcher([torchrun, "--nproc-per-node", "2", example("spmd")], tmp_path)
+    assert done.returncode == 0, done.stdout + done.stderr
+    assert "CHECK spmd: passed" in done.stdout
+
+
+def test_an_example_runs_unchanged_under_mpirun(tmp_path):
+    mpirun = shutil.which("mpirun") or pytest.skip("mpirun is not installed")
+    argv = [mpirun, "--allow-run-as-root", "--oversubscribe", "-n", "2", sys.executable,
+            example("spmd")]
+    done = run_other_launcher(argv, tmp_path)
+    assert done.returncode == 0, done.stdout + done.stderr
+    assert "CHECK spmd: passed" in done.stdout
