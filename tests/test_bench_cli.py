@@ -1,0 +1,133 @@
+"""`gpucoll bench` end to end: it starts its ranks (and its peers'), or uses a job's ranks.
+
+Every run here is a few tiny sizes with few iterations: these check plumbing and output, not
+speed.
+"""
+
+from __future__ import annotations
+
+import io
+import json
+import os
+import re
+import subprocess
+import sys
+
+import pytest
+from test_bench_report import parse_log
+
+from gpucoll.bench import cli, driver, peers
+from gpucoll.bench.options import parse_args
+from gpucoll.bench.session import Console
+
+TINY = ["-b", "8", "-e", "4K", "-f", "8", "-n", "3", "-w", "1"]
+
+
+def _run(argv, timeout=150):
+    env = dict(os.environ, PYTHONUNBUFFERED="1")
+    return subprocess.run([sys.executable, "-m", "gpucoll", *argv], capture_output=True,
+                          text=True, timeout=timeout, env=env, stdin=subprocess.DEVNULL)
+
+
+def _tables(text):
+    """Rows per library, from the '# Collective test starting: OP (LIB)' sections."""
+    out, lib, chunk = {}, None, []
+    for line in text.splitlines() + ["# Collective test starting: end (end)"]:
+        m = re.match(r"# Collective test starting: (\w+) \((\S+)\)", line)
+        if m:
+            if lib:
+                out.setdefault(lib, []).extend(parse_log("\n".join(chunk))["rows"])
+            lib, chunk = m.group(2), []
+        else:
+            chunk.append(line)
+    return out
+
+
+def test_help_names_the_nccl_tests_flags(capsys):
+    with pytest.raises(SystemExit) as exc:
+        cli.main(["--help"])
+    assert exc.value.code == 0
+    text = capsys.readouterr().out
+    for flag in ("-b", "-e", "-f", "-n", "-w", "-c", "-o", "-d", "-g", "--peers", "--plot"):
+        assert f" {flag}" in text, flag
+
+
+@pytest.mark.slow
+def test_bench_starts_two_ranks_and_each_peer_and_writes_every_file(tmp_path):
+    files = {k: str(tmp_path / f"bench.{k}") for k in ("json", "csv", "png")}
+    proc = _run(["bench", "all_reduce", "all_gather", *TINY, "-g", "2", "--peers",
+                 "--json", files["json"], "--csv", files["csv"], "--plot", files["png"]])
+    assert proc.returncode == 0, proc.stdout + proc.stderr
+    tables = _tables(proc.stdout)
+    expected = ["gpucoll"] + [p for p in ("gloo", "mpi") if peers.available(p) is None]
+    assert sorted(tables) == sorted(expected)
+    for rows in tables.values():
+        assert len(rows) == 2 * 3  # two ops x sizes 8, 64, 512 (4K not reached by x8 from 8)
+        assert all(r[p]["wrong"] in (0, None) for r in rows for p in ("out_of_place",
+                                                                       "in_place"))
+    assert "# Ceiling host memcpy" in proc.stdout
+    doc = json.load(open(files["json"]))
+    assert [run["library"] for run in doc["runs"]] == expected
+    assert doc["runs"][0]["ranks"] == 2 and doc["runs"][0]["backend"] == "ring"
+    assert open(files["png"], "rb").read(8) == b"\x89PNG\r\n\x1a\n"
+    assert open(files["csv"]).readline().startswith("library,backend,transport,ranks")
+
+
+@pytest.mark.slow
+def test_inside_gpucoll_run_bench_uses_the_jobs_four_ranks():
+    proc = subprocess.run([sys.executable, "-m", "gpucoll.launch", "-n", "4", "--timeout", "120",
+                           "-m", "gpucoll.bench", "all_reduce", "broadcast", *TINY,
+                           "--no-ceilings"], capture_output=True, text=True, timeout=150,
+                          stdin=subprocess.DEVNULL)
+    assert proc.returncode == 0, proc.stdout + proc.stderr
+    text = "\n".join(line.removeprefix("[rank 0] ") for line in proc.stdout.splitlines())
+    assert "nGpus 4 " in text and "4 ranks" in text
+    rows = _tables(text)["gpucoll"]
+    assert len(rows) == 6 and all(r["in_place"]["wrong"] == 0 for r in rows)
+    assert "[rank 1]" not in proc.stdout  # only rank 0 reports
+
+
+def _console(argv):
+    out = io.StringIO()
+    return Console(parse_args(argv), argv, out=out), out
+
+
+def test_a_job_that_stops_reporting_is_stopped_and_reported(monkeypatch):
+    monkeypatch.setattr(driver, "STARTUP_S", 0.5)
+    monkeypatch.setattr(driver, "command", lambda *a: [sys.executable, "-c",
+                                                       "import time; time.sleep(120)"])
+    console, out = _console(["--timeout", "1"])
+    driver.run_job("gpucoll", 2, console.opts, console)
+    assert "Library gpucoll: not run: no result for 2 s; stopped" in out.getvalue()
+    assert console.close() == 1
+
+
+def test_ranks_that_fail_before_reporting_fail_the_run(monkeypatch):
+    monkeypatch.setattr(driver, "command", lambda *a: [sys.executable, "-c",
+                                                       "raise SystemExit(3)"])
+    console, out = _console([])
+    driver.run_job("gpucoll", 2, console.opts, console)
+    assert "not run: the ranks exited with status 3" in out.getvalue()
+    assert console.close() == 1
+
+
+def test_a_peer_that_is_not_installed_is_named_not_fatal(monkeypatch):
+    monkeypatch.setattr(peers, "available", lambda name: f"{name} is not installed")
+    monkeypatch.setattr(driver, "run_job", lambda lib, n, opts, console: console.start(
+        {"library": lib, "ranks": n, "devices": []}))
+    out = io.StringIO()
+    monkeypatch.setattr(sys, "stdout", out)
+    assert driver.main(parse_args(["--peers", "--no-ceilings", "-g", "2"]), []) == 0
+    text = out.getvalue()
+    assert "# Library gloo: not run: gloo is not installed" in text
+    assert "# Library mpi: not run: mpi is not installed" in text
+
+
+def test_mpi_ranks_are_started_by_mpirun_and_the_others_by_the_launcher():
+    opts = parse_args(["-g", "3"])
+    mpi = driver.command("mpi", 3, opts, "/tmp/ev")
+    assert mpi[0] == "mpirun" and "--oversubscribe" in mpi and mpi[mpi.index("-n") + 1] == "3"
+    assert ("--allow-run-as-root" in mpi) == (os.geteuid() == 0)
+    ours = driver.command("gloo", 3, opts, "/tmp/ev")
+    assert ours[1:5] == ["-m", "gpucoll.launch", "-n", "3"]
+    assert ours[-4:] == ["--library", "gloo", "--results", "/tmp/ev"]

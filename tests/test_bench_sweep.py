@@ -1,0 +1,56 @@
+"""benchmarks/collectives.py: a thin sweep over `gpucoll bench` that judges the ring's targets."""
+
+from __future__ import annotations
+
+import importlib.util
+import pathlib
+
+from gpucoll.bench.options import parse_args
+
+PATH = pathlib.Path(__file__).resolve().parents[1] / "benchmarks" / "collectives.py"
+spec = importlib.util.spec_from_file_location("bench_collectives", PATH)
+sweep = importlib.util.module_from_spec(spec)
+spec.loader.exec_module(sweep)
+
+
+def _row(size, time_us, busbw):
+    cell = {"time": time_us, "alg_bw": busbw, "bus_bw": busbw, "nwrong": 0}
+    return {"op": "all_reduce", "size": size, "count": size // 4, "type": "float",
+            "redop": "sum", "root": -1, "out_of_place": None, "in_place": cell}
+
+
+def _doc(**libs):
+    return {"runs": [{"library": name, "ranks": 2, "results": rows}
+                     for name, rows in libs.items()]}
+
+
+def test_the_sweep_is_gpucoll_bench_with_peers_and_files_per_rank_count():
+    argv = sweep.bench_argv(["all_reduce"], 4, "out", ["-n", "5"])
+    opts = parse_args(argv)
+    assert opts.ranks == 4 and opts.peers == ("gloo", "mpi") and opts.iters == 5
+    assert (opts.minbytes, opts.maxbytes, opts.dtypes) == (8, 128 << 20, ("float",))
+    assert opts.json == "out/collectives-4ranks.json" and opts.plot.endswith(".png")
+
+
+def test_two_rank_targets_are_judged_from_the_measured_numbers():
+    mib32 = 32 << 20
+    doc = _doc(gpucoll=[_row(8, 20.0, 0.0), _row(mib32, 9000.0, 7.5)],
+               gloo=[_row(8, 250.0, 0.0), _row(mib32, 40000.0, 1.5)],
+               mpi=[_row(8, 1.0, 0.0), _row(mib32, 12000.0, 8.0)])
+    lines = sweep.two_rank_targets(doc)
+    assert lines[0].endswith("= 5.0x (target >= 5x): met")
+    assert lines[1].endswith("(target >=): NOT met")
+    assert lines[2].endswith("= 0.080 (target <= 0.1): met")
+
+
+def test_four_ranks_must_beat_gloo_at_every_size():
+    doc = _doc(gpucoll=[_row(8, 30.0, 0.0), _row(64, 500.0, 0.0)],
+               gloo=[_row(8, 700.0, 0.0), _row(64, 400.0, 0.0)])
+    assert sweep.four_rank_targets(doc) == [
+        "ahead of gloo at every size: 1/2 sizes (behind at 64 B): NOT met"]
+
+
+def test_a_peer_that_did_not_run_leaves_its_target_unjudged():
+    doc = _doc(gpucoll=[_row(8, 20.0, 0.0)])
+    assert sweep.two_rank_targets(doc) == []
+    assert sweep.four_rank_targets(doc) == ["ahead of gloo at every size: not measured"]
