@@ -5,6 +5,7 @@ from __future__ import annotations
 import json
 import re
 import signal
+import time
 
 import pytest
 from launch_helpers import alive, launching, write_script
@@ -235,7 +236,7 @@ def test_a_second_sigint_kills_ranks_that_ignore_the_first(launch, tmp_path):
     job.wait_for_lines(r"ignoring SIGINT", 2)
     job.send(signal.SIGINT)
     assert job.finish() == 128 + signal.SIGINT, job.text()
-    assert "second SIGINT" in job.err()
+    assert "second SIGINT" in job.err() and "interrupted by SIGINT" in job.err()
     assert not any(alive(pid) for pid in pids(job))
 
 
@@ -354,3 +355,15 @@ def test_a_failure_on_one_node_stops_the_ranks_of_the_other(launch, tmp_path):
     assert "rank 3 failed first" in node1.err()
     assert "stopping this node's ranks: rank 3 on node 1 failed (exit code 6)" in node0.err()
     assert not any(alive(pid) for pid in pids(node0) + pids(node1))
+
+
+def test_ranks_die_with_a_launcher_that_is_killed(launch, tmp_path):
+    job = launch(["-n", "2", write_script(tmp_path, WAITER)])
+    job.wait_for_lines(r"ready$", 2)
+    job.proc.kill()  # the launcher alone: it gets no chance to clean up
+    job.finish()
+    ranks = pids(job)
+    deadline = time.monotonic() + 30
+    while any(alive(pid) for pid in ranks) and time.monotonic() < deadline:
+        time.sleep(0.05)
+    assert not any(alive(pid) for pid in ranks)

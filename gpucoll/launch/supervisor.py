@@ -187,6 +187,8 @@ class Job:
             self._report_timeout()
             return report.TIMEOUT_EXIT
         if self.interrupt is not None:
+            self._note(f"interrupted by {self.interrupt.name}: "
+                       + "; ".join(self._fate(p) for p in self.ranks))
             return 128 + self.interrupt.signum
         if self.remote is not None:
             return self.remote.status
