@@ -168,3 +168,119 @@ CHECKS = {
 def test_collective_matches_numpy(store_addr, coll, n, transport):
     links = spawn(_run_collective, n, store_addr, transport, coll, "float32", timeout=90)
     assert all(kind == transport for rank_links in links for kind in rank_links.values())
+
+
+DTYPES = ["bool", "int8", "uint16", "int64", "float16", "bfloat16", "float32", "float64",
+          "complex64", "complex128"]
+
+
+def _dtype(name: str) -> np.dtype:
+    if name == "bfloat16":
+        import ml_dtypes
+
+        return np.dtype(ml_dtypes.bfloat16)
+    return np.dtype(name)
+
+
+def _all_reduce_dtypes(rank, n, addr, transport):
+    store, b = open_backend(rank, n, addr, transport)
+    try:
+        for name in DTYPES:
+            dtype = _dtype(name)
+            for count in (5, 40_001):  # direct exchange, then the ring
+                for op, fold in ((ReduceOp.SUM, np.add), (ReduceOp.MAX, np.maximum)):
+                    if op is ReduceOp.MAX and dtype.kind == "c":
+                        continue
+                    x = data(rank, count, dtype)
+                    b.all_reduce(Ref(x), op, timeout=30)
+                    expected = data(0, count, dtype)
+                    for r in range(1, n):
+                        expected = fold(expected, data(r, count, dtype))
+                    np.testing.assert_array_equal(x, expected, err_msg=f"{name} {op} {count}")
+    finally:
+        b.close()
+        store.close()
+
+
+@pytest.mark.parametrize("transport", TRANSPORTS)
+def test_all_reduce_handles_every_dtype(store_addr, transport):
+    spawn(_all_reduce_dtypes, 3, store_addr, transport, timeout=90)
+
+
+def _random_all_reduce(rank, n, addr, transport, op):
+    store, b = open_backend(rank, n, addr, transport)
+    try:
+        results = []
+        for count in (1001, 250_001):
+            x = np.random.default_rng(rank + 10 * count).standard_normal(count).astype(np.float32)
+            b.all_reduce(Ref(x), op, timeout=30)
+            results.append(x)
+        return results
+    finally:
+        b.close()
+        store.close()
+
+
+@pytest.mark.parametrize("op", [ReduceOp.SUM, ReduceOp.AVG, ReduceOp.PROD])
+@pytest.mark.parametrize("n", [3, 4])
+def test_all_reduce_is_bit_identical_on_every_rank(store_addr, n, op):
+    per_rank = spawn(_random_all_reduce, n, store_addr, "shm", op, timeout=60)
+    for results in per_rank[1:]:
+        for mine, first in zip(results, per_rank[0], strict=True):
+            assert mine.tobytes() == first.tobytes()
+
+
+def test_avg_is_the_mean(store_addr):
+    per_rank = spawn(_random_all_reduce, 3, store_addr, "tcp", ReduceOp.AVG, timeout=60)
+    for i, count in enumerate((1001, 250_001)):
+        inputs = [np.random.default_rng(r + 10 * count).standard_normal(count).astype(np.float32)
+                  for r in range(3)]
+        np.testing.assert_allclose(per_rank[0][i], np.mean(inputs, axis=0), rtol=1e-5,
+                                   atol=1e-6)
+
+
+def _async_in_order(rank, n, addr):
+    store, b = open_backend(rank, n, addr, "shm")
+    try:
+        xs = [np.full(10_000 * (i % 3 + 1), i + rank, np.int64) for i in range(8)]
+        works = [b.run_async(lambda x=x: b.all_reduce(Ref(x), ReduceOp.SUM, timeout=30))
+                 for x in xs]
+        last = np.zeros(1, np.int64)
+        b.run_sync(lambda: b.all_reduce(Ref(last), ReduceOp.MAX, timeout=30))
+        done_before_sync = all(w.is_completed() for w in works)
+        for w in works:
+            w.wait(30)
+        return done_before_sync, [int(x[0]) for x in xs]
+    finally:
+        b.close()
+        store.close()
+
+
+def test_async_work_completes_in_issue_order_before_a_sync_call(store_addr):
+    for done_before_sync, sums in spawn(_async_in_order, 2, store_addr, timeout=60):
+        assert done_before_sync
+        assert sums == [2 * i + 1 for i in range(8)]
+
+
+def _split_in_two(rank, n, addr):
+    from gpucoll.store import PrefixStore
+
+    store, b = open_backend(rank, n, addr, "auto")
+    try:
+        color = rank % 2
+        members = [r for r in range(n) if r % 2 == color]
+        sub = b.split(PrefixStore(f"sub{color}", store), members.index(rank), len(members),
+                      color, 0, timeout=30)
+        x = np.array([rank], np.int64)
+        sub.all_reduce(Ref(x), ReduceOp.SUM, timeout=30)
+        sub.close()
+        none = b.split(PrefixStore("none", store), None, 0, None, 0, timeout=30)
+        return int(x[0]), none
+    finally:
+        b.close()
+        store.close()
+
+
+def test_split_builds_a_working_backend_per_color(store_addr):
+    results = spawn(_split_in_two, 4, store_addr, timeout=60)
+    assert results == [(2, None), (4, None), (2, None), (4, None)]

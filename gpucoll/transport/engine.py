@@ -21,6 +21,7 @@ from gpucoll.errors import CollectiveTimeout, GpucollError, PeerFailure
 SPIN_S = 50e-6  # busy polling before yielding: peers on other cores answer within this
 YIELD_S = 200e-6  # sched_yield before sleeping on the doorbell
 NAP_MS = 2  # longest sleep between re-checks (covers a doorbell raced past)
+ROOT_CAUSE_S = 2.0  # how long a broken link waits for the monitor to learn why
 
 
 class Op:
@@ -97,6 +98,7 @@ class State:
     def __init__(self):
         self.failure: GpucollError | None = None
         self.closed_peers: set[int] = set()
+        self.ended: set[int] = set()  # peers whose control connection is finished
 
 
 class Engine:
@@ -118,9 +120,12 @@ class Engine:
         state = self.state
         while pending:
             moved = False
-            for op in pending:
-                if op.step():
-                    moved = True
+            try:
+                for op in pending:
+                    if op.step():
+                        moved = True
+            except PeerFailure as exc:
+                raise self._root_cause(exc, deadline) from None
             if moved:
                 finished = [op for op in pending if op.off >= op.nbytes]
                 for op in finished:
@@ -145,6 +150,25 @@ class Engine:
                 os.sched_yield()
                 continue
             self._sleep(pending, deadline)
+
+    def _root_cause(self, exc: PeerFailure, deadline: float) -> GpucollError:
+        """A data link broke: let the monitor say why (the peer may have closed because a third
+        rank died), within ROOT_CAUSE_S; else report the broken link."""
+        state = self.state
+        limit = min(deadline, time.monotonic() + ROOT_CAUSE_S)
+        while state.failure is None and exc.peer not in state.ended:
+            remaining = limit - time.monotonic()
+            if remaining <= 0:
+                break
+            self.poller.poll(min(remaining * 1000, NAP_MS))
+            self._drain_bell()
+        return state.failure or exc
+
+    def _drain_bell(self) -> None:
+        try:
+            os.eventfd_read(self.bell)
+        except BlockingIOError:
+            pass
 
     def _timeout(self, pending, opname, deadline, idle) -> CollectiveTimeout:
         op = pending[0]
@@ -178,10 +202,7 @@ class Engine:
                 for fd in masks:
                     self.poller.unregister(fd)
             if any(fd == self.bell for fd, _ in events):
-                try:
-                    os.eventfd_read(self.bell)
-                except BlockingIOError:
-                    pass
+                self._drain_bell()
         finally:
             for op in shm:
                 op.link.sleep_flags(op.sending, not op.sending, 0)

@@ -65,10 +65,13 @@ class Monitor:
             return True
         except OSError as exc:
             self._fail(peer, f"rank {peer}'s connection broke ({exc})")
+            self.state.ended.add(peer)
             return False
         if not chunk:
             if peer not in self.state.closed_peers:
                 self._fail(peer, f"rank {peer} died or lost its connection")
+            self.state.ended.add(peer)
+            self._wake()
             return False
         buf = self._buffers[peer] + chunk
         while buf:

@@ -1,0 +1,189 @@
+"""How the ring backend fails: dead, aborting and interrupted peers, deadlines, and what is left
+behind (the spawn helper fails a test whose ranks leave shared memory in /dev/shm)."""
+
+from __future__ import annotations
+
+import os
+import signal
+import threading
+import time
+
+import numpy as np
+import pytest
+from multiproc import spawn
+from test_ring import Ref, open_backend
+
+from gpucoll.errors import CollectiveTimeout, GpucollError, PeerFailure
+from gpucoll.ops import ReduceOp
+
+LONG = 60.0  # a deadline no passing test gets near: failures must be noticed without it
+
+
+def _signal_self_soon(sig: int) -> None:
+    """Deliver ``sig`` to this process from another thread while the main one communicates."""
+    threading.Thread(target=lambda: (time.sleep(0.2), os.kill(os.getpid(), sig)),
+                     daemon=True).start()
+
+
+def _loop_until_error(b, victim: int, rank: int, sig: int):
+    """All ranks all_reduce large arrays; ``victim`` is signalled in the middle of that."""
+    x = np.ones(1 << 20, np.float32)
+    if rank == victim:
+        _signal_self_soon(sig)
+    try:
+        for _ in range(100_000):
+            x[:] = 1
+            b.all_reduce(Ref(x), ReduceOp.SUM, timeout=LONG)
+    except (GpucollError, KeyboardInterrupt) as exc:
+        return exc
+    return None
+
+
+def _survive_a_killed_peer(rank, n, addr, transport, victim):
+    store, b = open_backend(rank, n, addr, transport, timeout=LONG)
+    try:
+        err = _loop_until_error(b, victim, rank, signal.SIGKILL)
+        started = time.monotonic()
+        try:  # poisoned: the next call fails at once
+            b.barrier(timeout=LONG)
+            later = None
+        except GpucollError as exc:
+            later = exc
+        return err, later, time.monotonic() - started
+    finally:
+        b.close()
+        store.close()
+
+
+@pytest.mark.parametrize("transport", ["shm", "tcp"])
+def test_killed_peer_makes_every_survivor_raise_peer_failure_naming_it(store_addr, transport):
+    outcomes = spawn(_survive_a_killed_peer, 3, store_addr, transport, 1, timeout=40,
+                     check=False)
+    assert outcomes[1].exitcode == -signal.SIGKILL
+    for rank in (0, 2):
+        assert outcomes[rank].ok, outcomes[rank].trace
+        err, later, _ = outcomes[rank].value
+        assert isinstance(err, PeerFailure) and err.peer == 1, repr(err)
+        assert "rank 1" in str(err)
+
+
+def test_calls_after_a_peer_failure_fail_at_once(store_addr):
+    outcomes = spawn(_survive_a_killed_peer, 2, store_addr, "shm", 1, timeout=40, check=False)
+    err, later, elapsed = outcomes[0].value
+    assert isinstance(later, PeerFailure) and later.peer == 1
+    assert "barrier" in str(later)
+
+
+def _interrupted(rank, n, addr):
+    store, b = open_backend(rank, n, addr, "shm", timeout=LONG)
+    try:
+        return _loop_until_error(b, 0, rank, signal.SIGINT)
+    finally:
+        b.close()
+        store.close()
+
+
+def test_interrupted_rank_raises_keyboard_interrupt_and_its_peers_peer_failure(store_addr):
+    errors = spawn(_interrupted, 3, store_addr, timeout=40)
+    assert isinstance(errors[0], KeyboardInterrupt)
+    for err in errors[1:]:
+        assert isinstance(err, PeerFailure) and err.peer == 0, repr(err)
+
+
+def _time_out_on_rank0(rank, n, addr):
+    store, b = open_backend(rank, n, addr, "shm", timeout=LONG)
+    try:
+        if rank == 0:
+            try:
+                b.all_reduce(Ref(np.zeros(4, np.float32)), ReduceOp.SUM, timeout=0.3)
+            except CollectiveTimeout as exc:
+                return exc
+            finally:
+                store.set("rank0-done", "1")
+            return None
+        store.get("rank0-done", timeout=LONG)  # rank 1 joins only after rank 0 gave up
+        try:  # more data than rank 0 ever sent, so this waits until rank 0's abort arrives
+            b.all_reduce(Ref(np.zeros(1 << 16, np.float32)), ReduceOp.SUM, timeout=LONG)
+        except PeerFailure as exc:
+            return exc
+        return None
+    finally:
+        b.close()
+        store.close()
+
+
+def test_missing_peer_raises_collective_timeout_naming_op_rank_and_peer(store_addr):
+    err, _ = spawn(_time_out_on_rank0, 2, store_addr, timeout=40)
+    assert isinstance(err, CollectiveTimeout) and isinstance(err, TimeoutError)
+    assert "all_reduce on rank 0" in str(err) and "rank 1" in str(err)
+
+
+def test_a_rank_that_timed_out_makes_its_peers_fail_fast(store_addr):
+    _, err = spawn(_time_out_on_rank0, 2, store_addr, timeout=40)
+    assert isinstance(err, PeerFailure) and err.peer == 0
+    assert "aborted" in str(err)
+
+
+def _abort_while_waiting(rank, n, addr):
+    store, b = open_backend(rank, n, addr, "tcp", timeout=LONG)
+    try:
+        if rank == 1:
+            store.get("rank0-done", timeout=LONG)
+            return None
+        threading.Thread(target=lambda: (time.sleep(0.2), b.abort("user asked")),
+                         daemon=True).start()
+        try:
+            b.all_reduce(Ref(np.zeros(4, np.float32)), ReduceOp.SUM, timeout=LONG)
+        except GpucollError as exc:
+            return exc
+        finally:
+            store.set("rank0-done", "1")
+        return None
+    finally:
+        b.close()
+        store.close()
+
+
+def test_abort_fails_the_call_in_flight_and_close_still_returns(store_addr):
+    err, _ = spawn(_abort_while_waiting, 2, store_addr, timeout=40)
+    assert isinstance(err, GpucollError) and "user asked" in str(err)
+
+
+def _close_twice(rank, n, addr):
+    store, b = open_backend(rank, n, addr, "shm")
+    b.barrier(timeout=30)
+    b.close()
+    b.close()
+    try:
+        b.barrier(timeout=1)
+    except GpucollError as exc:
+        return str(exc)
+    finally:
+        store.close()
+    return None
+
+
+def test_close_is_idempotent_and_later_calls_say_closed(store_addr):
+    messages = spawn(_close_twice, 2, store_addr, timeout=30)
+    assert all("closed" in m for m in messages)
+
+
+def _threads_and_fds():
+    return set(threading.enumerate()), set(os.listdir("/proc/self/fd"))
+
+
+def _resources_after_close(rank, n, addr, transport):
+    threads, fds = _threads_and_fds()
+    store, b = open_backend(rank, n, addr, transport)
+    b.run_async(lambda: b.barrier(timeout=30)).wait(30)
+    b.close()
+    store.close()
+    threads_after, fds_after = _threads_and_fds()
+    return [t.name for t in threads_after - threads], sorted(fds_after - fds)
+
+
+@pytest.mark.parametrize("transport", ["shm", "tcp"])
+def test_close_leaves_no_thread_or_descriptor_behind(store_addr, transport):
+    for new_threads, new_fds in spawn(_resources_after_close, 3, store_addr, transport,
+                                      timeout=30):
+        assert new_threads == [] and new_fds == []
