@@ -37,7 +37,7 @@ class OneRank:
         def call():
             self.calls[op] = self.calls.get(op, 0) + 1
             if send is not recv:
-                np.copyto(recv, send)
+                recv[...] = send  # NumPy or CuPy
             if op == self.broken and recv.size:
                 recv[0] = 99
 
@@ -101,6 +101,19 @@ def test_in_place_buffers_alias_as_nccl_defines_them():
     assert r.size == 2 and np.shares_memory(r, send[6:])
     s, r = placed("all_reduce", send, recv, 0, 4, True)
     assert s is recv and r is recv
+
+
+@pytest.mark.gpu
+def test_device_buffers_are_timed_with_cuda_events_and_checked():
+    from gpucoll.bench.memory import CudaEventTimer, DeviceMemory
+
+    mem = DeviceMemory()
+    assert isinstance(mem.timer(), CudaEventTimer)
+    engine = Engine(OneRank(broken="all_gather"), mem, parse_args(["-n", "3"]))
+    good = engine.run(Case("all_reduce", 1 << 20, "float", "sum", -1))
+    bad = engine.run(Case("all_gather", 1 << 20, "float", "none", -1))
+    assert good.in_place.wrong == 0 and good.in_place.time_us > 0
+    assert bad.out_of_place.wrong == 1
 
 
 @pytest.mark.parametrize("mode,value", [(0, 3.0), (1, 2.0), (2, 1.0), (3, 3.0)])

@@ -52,7 +52,7 @@ def _panel(ax: Any, op: str, ranks: int, runs: list[dict[str, Any]],
         if run["ranks"] != ranks:
             continue
         points = [(d["size"], best_busbw(d)) for d in run["results"] if d["op"] == op]
-        points = [(s, bw) for s, bw in points if bw is not None and s > 0]
+        points = [(s, bw) for s, bw in points if bw and s > 0]  # log axes: no zeros
         if points:
             xs, ys = zip(*points, strict=True)
             sizes.update(xs)
