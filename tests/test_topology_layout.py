@@ -159,3 +159,14 @@ def test_ring_search_beyond_exhaustive_size_is_a_valid_good_ring():
     order = best_ring(range(n), lambda a, b: 10 if a // 2 == b // 2 else 1)
     assert sorted(order) == list(range(n))
     assert ring_key(order, lambda a, b: 10 if a // 2 == b // 2 else 1) == (1, 6 * 10 + 6)
+
+
+def test_ring_over_a_subset_of_gpus_follows_the_fast_links():
+    layout = layout_of("dgx1")
+    assert ring_order(layout, [1, 0, 3, 2]) == [0, 1, 2, 3]  # NV1 0-1, then NV2 1-2, 2-3, 3-0
+    assert ring_order(layout, [4]) == [4]
+
+
+def test_ring_over_unknown_gpus_is_a_value_error():
+    with pytest.raises(ValueError, match=r"gpus \[9\] are not in the topology"):
+        ring_order(layout_of("rtx-a6000"), [0, 9])

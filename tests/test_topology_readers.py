@@ -308,3 +308,15 @@ def test_probe_ring_order_is_none_without_gpu():
     from gpucoll.topology import probe_ring_order
 
     assert probe_ring_order() is None
+
+
+def test_nvml_failing_midway_falls_back_to_sysfs(tmp_path):
+    class LostGpu(FakeNvml):
+        def nvmlDeviceGetName(self, h):
+            raise self.NVMLError("GPU is lost")
+
+    fake = LostGpu(recorded("dgx-a100"))
+    layout = probe(nvml=fake, sysfs_root=build_sysfs(tmp_path, "dgx-a100"))
+    assert layout.observed.source == "sysfs" and fake.shutdowns == 1
+    assert "GPU is lost" in layout.warnings[0].message
+    assert layout.nvswitch is True and layout.nvswitch_basis == "sysfs"

@@ -7,6 +7,7 @@ The builders in :mod:`gpucoll.topology.build` turn each source's raw facts into 
 from __future__ import annotations
 
 import re
+from collections.abc import Iterable
 from dataclasses import dataclass, field
 
 from gpucoll.topology import labels
@@ -172,12 +173,21 @@ def bandwidth(matrix: dict, gpus: list[str]) -> dict[str, dict[str, str | None]]
 
 def ring_order_of(obs: Observed) -> list[int]:
     """GPU indices in the suggested ring order."""
-    by_index = {gpu_index(d.name): d.name for d in obs.devices if d.kind == "gpu"}
+    return ring_over(obs, [gpu_index(d.name) for d in obs.devices if d.kind == "gpu"])
+
+
+def ring_over(obs: Observed, gpus: Iterable[int]) -> list[int]:
+    """The suggested ring over some of the GPUs, by index; ValueError naming unknown ones."""
+    known = {gpu_index(d.name) for d in obs.devices if d.kind == "gpu"}
+    gpus = sorted(set(gpus))
+    unknown = [g for g in gpus if g not in known]
+    if unknown:
+        raise ValueError(f"gpus {unknown} are not in the topology (it has GPUs {sorted(known)})")
 
     def weight(a: int, b: int) -> int:
-        return labels.weight(obs.matrix[by_index[a]][by_index[b]])
+        return labels.weight(obs.matrix[f"GPU{a}"][f"GPU{b}"])
 
-    return best_ring(list(by_index), weight)
+    return best_ring(gpus, weight)
 
 
 def findings(layout: Layout) -> list[Finding]:

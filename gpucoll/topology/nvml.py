@@ -39,6 +39,8 @@ def read_nvml(nvml: Any = None) -> NvmlFacts:
         pairs = tuple(read_pair(nvml, i, j, handles[i], handles[j])
                       for i in range(len(handles)) for j in range(i + 1, len(handles)))
         return NvmlFacts(_text(_try(nvml, nvml.nvmlSystemGetDriverVersion)), gpus, pairs)
+    except nvml.NVMLError as exc:  # e.g. a GPU fell off the bus: identity calls fail
+        raise TopologyUnavailable(f"NVML failed while reading GPUs: {exc}") from None
     finally:
         nvml.nvmlShutdown()
 
