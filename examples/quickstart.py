@@ -14,12 +14,12 @@ from _example import finish, parse_args, start, to_host
 
 def show(comm, op: str, before, after) -> None:
     """One line per rank; the barrier keeps each collective's lines together."""
-    print(f"{op:<22} before {fmt(before):<24} after {fmt(after)}", flush=True)
+    print(f"{op:<22} before {fmt(before):<32} after {fmt(after)}", flush=True)
     comm.barrier()
 
 
 def fmt(a) -> str:
-    return "-" if a is None else np.array2string(to_host(a).ravel(), separator=",")
+    return "-" if a is None else str(to_host(a).tolist())
 
 
 def main() -> int:
@@ -30,7 +30,7 @@ def main() -> int:
 
     def expect(op: str, got, want) -> None:
         if not np.array_equal(to_host(got), np.asarray(want)):
-            wrong.append(f"{op}: got {fmt(got)}, want {np.asarray(want).ravel()}")
+            wrong.append(f"{op}: got {fmt(got)}, want {np.asarray(want).tolist()}")
 
     x = xp.full(2, r + 1, dtype=xp.float32)
     before = x.copy()
