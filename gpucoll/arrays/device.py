@@ -20,8 +20,16 @@ from gpucoll.arrays import Adapter, ArrayRef, register_adapter
 _DLPACK_CUDA = (2, 13)  # DLDeviceType kDLCUDA, kDLCUDAManaged
 
 
+_LIBRARIES: dict[type, str] = {}
+
+
 def _library(obj: Any) -> str:
-    return type(obj).__module__.split(".", 1)[0]
+    """The top-level package defining ``obj``'s type ("cupy", "torch", ...), cached per type."""
+    kind = type(obj)
+    lib = _LIBRARIES.get(kind)
+    if lib is None:
+        lib = _LIBRARIES[kind] = kind.__module__.split(".", 1)[0]
+    return lib
 
 
 def _dlpack_on_cuda(obj: Any) -> bool:

@@ -75,16 +75,20 @@ class Watchdog:
         self._pending: collections.deque[Pending] = collections.deque()
         self._cond = threading.Condition()
         self._closed = False
+        self._idle = True  # the thread waits for work (not polling): adding must wake it
         self._thread: threading.Thread | None = None
 
     def add(self, item: Pending) -> None:
-        with self._cond:
-            self._pending.append(item)
-            if self._thread is None:
-                self._thread = threading.Thread(target=self._run, daemon=True,
-                                                name=f"gpucoll-nccl-watchdog-{self.rank}")
-                self._thread.start()
-            self._cond.notify()
+        # deque.append is atomic; the lock is taken only to start or wake an idle thread
+        # (the thread sets _idle before it looks at the deque, so no item is missed)
+        self._pending.append(item)
+        if self._idle:
+            with self._cond:
+                if self._thread is None:
+                    self._thread = threading.Thread(target=self._run, daemon=True,
+                                                    name=f"gpucoll-nccl-watchdog-{self.rank}")
+                    self._thread.start()
+                self._cond.notify()
 
     def outstanding(self) -> int:
         with self._cond:
@@ -107,8 +111,10 @@ class Watchdog:
         delay = 0.0005
         while True:
             with self._cond:
+                self._idle = True
                 while not self._pending and not self._closed:
                     self._cond.wait()
+                self._idle = False
                 if self._closed:
                     return
                 head = self._pending[0]
