@@ -2,7 +2,7 @@
 
 from __future__ import annotations
 
-from gpucoll.topology.labels import LEGEND
+from gpucoll.topology.labels import BANDWIDTH_CLASSES, LEGEND
 from gpucoll.topology.layout import Device, Layout
 
 _EXTRAS = (("CPU Affinity", "cpu_affinity"), ("NUMA Affinity", "numa_affinity"),
@@ -65,11 +65,21 @@ def summary_text(layout: Layout) -> str:
                      f"{', '.join(map(str, counts))})")
     lines.append(f"NVSwitch: {'yes' if layout.nvswitch else 'no'} "
                  f"(from {layout.nvswitch_basis})")
+    if len(layout.gpus) > 1:
+        lines.append("GPU pairs by bandwidth class: " + _class_counts(layout))
     for gpu in layout.gpus:
         lines.append(f"{gpu.name}: {_gpu_line(layout, gpu)}")
     lines.append("Suggested ring order: " + " ".join(f"GPU{i}" for i in layout.ring_order))
     lines += [f"warning [{w.code}]: {w.message}" for w in layout.warnings]
     return "\n".join(lines)
+
+
+def _class_counts(layout: Layout) -> str:
+    names = [g.name for g in layout.gpus]
+    found = [layout.bandwidth[a][b] or "unknown"
+             for i, a in enumerate(names) for b in names[i + 1:]]
+    order = [*BANDWIDTH_CLASSES, "unknown"]
+    return ", ".join(f"{c} {found.count(c)}" for c in order if c in found)
 
 
 def _gpu_line(layout: Layout, gpu: Device) -> str:
