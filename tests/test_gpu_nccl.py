@@ -1,0 +1,72 @@
+"""The same collectives on real CUDA devices (marked ``gpu``: skipped where CUDA is absent).
+
+One GPU: a world of one on NCCL, and the staged ring across two processes sharing the device.
+Several GPUs: NCCL across one process per device.
+"""
+
+from __future__ import annotations
+
+import numpy as np
+import pytest
+from conftest import cuda_available
+from multiproc import spawn
+
+pytestmark = [pytest.mark.gpu, pytest.mark.timeout(180)]
+
+
+def _device_count() -> int:
+    if not cuda_available():
+        return 0
+    import cupy
+
+    return cupy.cuda.runtime.getDeviceCount()
+
+
+def _suite(rank: int, n: int, addr: str, backend: str) -> list:
+    import cupy
+
+    from gpucoll.default import create
+
+    comm = create(backend, rank=rank, world_size=n, store=addr, timeout=60,
+                  device=0 if backend == "ring" else None)
+    try:
+        stream = cupy.cuda.Stream(non_blocking=True)
+        x = cupy.arange(1 << 16, dtype=cupy.float32) + rank
+        comm.all_reduce(x, stream=stream)
+        stream.synchronize()
+        want = np.arange(1 << 16, dtype=np.float32) * n + sum(range(n))
+        np.testing.assert_array_equal(x.get(), want)
+        g = comm.all_gather(cupy.full(3, rank, cupy.int64))
+        assert isinstance(g, cupy.ndarray)
+        np.testing.assert_array_equal(g.get(), np.repeat(np.arange(n), 3).reshape(n, 3))
+        y = cupy.full(5, rank, cupy.int32)
+        comm.all_reduce(y, op="bxor")
+        work = comm.all_reduce(cupy.ones(4, cupy.complex64), async_op=True)
+        np.testing.assert_array_equal(work.synchronize(timeout=60).get(), np.full(4, n))
+        t = comm.all_to_all(cupy.arange(n * 2, dtype=cupy.float64).reshape(n, 2) + 10 * rank)
+        np.testing.assert_array_equal(t.get()[:, 0], [10 * j + 2 * rank for j in range(n)])
+        comm.barrier()
+        return [int(v) for v in y.get()]
+    finally:
+        comm.close()
+
+
+def test_nccl_world_of_one(store_addr):
+    assert spawn(_suite, 1, store_addr, "nccl", timeout=150) == [[0] * 5]
+
+
+@pytest.mark.skipif(_device_count() < 2, reason="needs two or more CUDA devices")
+def test_nccl_across_one_process_per_device(store_addr):
+    n = min(_device_count(), 4)
+    spawn(_suite, n, store_addr, "nccl", timeout=150)
+
+
+def test_staged_ring_across_processes_sharing_one_device(store_addr):
+    spawn(_suite, 2, store_addr, "ring", timeout=150)
+
+
+def test_auto_picks_nccl_where_every_rank_has_a_gpu(store_server):
+    from gpucoll.backends import choose_backend
+
+    name, reason = choose_backend("auto", store_server, 0, 1)
+    assert name == "nccl", reason
