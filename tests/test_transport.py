@@ -1,0 +1,225 @@
+"""The transports on their own, inside one process: shared-memory rings, TCP links, the engine
+that drives them, and the monitor that notices dead or aborting peers."""
+
+from __future__ import annotations
+
+import os
+import socket
+
+import ml_dtypes
+import numpy as np
+import pytest
+
+from gpucoll.errors import CollectiveTimeout, PeerFailure
+from gpucoll.transport import mesh, shm, tcp
+from gpucoll.transport.engine import Engine, Recv, RecvReduce, Send, State
+from gpucoll.transport.monitor import CLOSE, Monitor, encode_abort
+
+
+@pytest.fixture
+def bell():
+    fd = os.eventfd(0, os.EFD_NONBLOCK)
+    yield fd
+    os.close(fd)
+
+
+def _ring(cap: int) -> shm.Ring:
+    fd = shm.create_segment("gpucoll-test-ring", cap)
+    try:
+        return shm.Ring(fd)
+    finally:
+        os.close(fd)
+
+
+@pytest.fixture
+def shm_pair(bell):
+    """Two ends (rank 0 and rank 1) of a shared-memory link with 4 KiB rings."""
+    ab, ba = _ring(4096), _ring(4096)
+    a = shm.ShmLink(1, ab, ba, os.dup(bell))
+    b = shm.ShmLink(0, ba, ab, os.dup(bell))
+    yield a, b
+    a.close()
+    b.close()
+
+
+@pytest.fixture
+def tcp_pair():
+    """Two ends of a loopback TCP connection."""
+    listener = tcp.listen_tcp(1)
+    client = socket.create_connection(("127.0.0.1", listener.getsockname()[1]))
+    server, _ = listener.accept()
+    listener.close()
+    for sock in (client, server):
+        tcp.tune(sock)
+    a, b = tcp.TcpLink(1, client), tcp.TcpLink(0, server)
+    yield a, b
+    a.close()
+    b.close()
+
+
+@pytest.fixture(params=["shm", "tcp"])
+def pair(request, shm_pair, tcp_pair):
+    return shm_pair if request.param == "shm" else tcp_pair
+
+
+def _engine(bell, state=None) -> Engine:
+    return Engine(0, [], bell, state or State(), oversubscribed=False)
+
+
+def test_a_message_many_times_the_ring_size_arrives_intact(shm_pair, bell):
+    a, b = shm_pair
+    x = np.random.default_rng(0).integers(0, 255, 100_003, dtype=np.uint8)
+    y = np.zeros_like(x)
+    _engine(bell).run([Send(a, x), Recv(b, y)], deadline=_soon(10), opname="test")
+    np.testing.assert_array_equal(x, y)
+
+
+def test_messages_of_mixed_itemsizes_stay_aligned_and_reduce_correctly(pair, bell):
+    a, b = pair
+    eng = _engine(bell)
+    for dtype, count in ((np.float16, 1001), (np.complex128, 333), (ml_dtypes.bfloat16, 7),
+                         (np.int8, 5), (np.float64, 2049)):
+        x = np.arange(count).astype(dtype)
+        acc = np.ones(count, dtype)
+        eng.run([Send(a, x), RecvReduce(b, acc, np.add)], deadline=_soon(10), opname="test")
+        np.testing.assert_array_equal(acc, np.arange(count).astype(dtype) + np.ones(1, dtype))
+
+
+def test_reduce_into_a_separate_accumulator_keeps_the_source(pair, bell):
+    a, b = pair
+    src = np.full(5000, 2.0, np.float32)
+    acc = np.zeros(5000, np.float32)
+    x = np.full(5000, 3.0, np.float32)
+    _engine(bell).run([Send(a, x), RecvReduce(b, acc, np.multiply, src=src)], _soon(10), "test")
+    assert (acc == 6.0).all() and (src == 2.0).all()
+
+
+def test_both_directions_at_once_never_deadlock_on_large_messages(tcp_pair, bell):
+    a, b = tcp_pair
+    big = 32 << 20  # well past both socket buffers
+    xa, xb = np.full(big, 1, np.uint8), np.full(big, 2, np.uint8)
+    ya, yb = np.zeros(big, np.uint8), np.zeros(big, np.uint8)
+    _engine(bell).run([Send(a, xa), Send(b, xb), Recv(a, ya), Recv(b, yb)], _soon(30), "test")
+    assert (ya == 2).all() and (yb == 1).all()
+
+
+def test_a_gated_send_forwards_only_what_has_arrived(pair, bell):
+    a, b = pair
+    x = np.arange(50_000, dtype=np.int32)
+    relay = np.zeros_like(x)
+    incoming = Recv(b, relay)
+    forward = Send(b, relay, gate=incoming)
+    back = np.zeros_like(x)
+    _engine(bell).run([Send(a, x), incoming, forward, Recv(a, back)], _soon(10), "test")
+    np.testing.assert_array_equal(back, x)
+
+
+def test_receive_with_no_sender_times_out_naming_op_and_peer(pair, bell):
+    _, b = pair
+    with pytest.raises(CollectiveTimeout, match=r"all_reduce on rank 0 .* receive from rank 0"):
+        _engine(bell).run([Recv(b, np.zeros(4, np.uint8))], _soon(0.2), "all_reduce")
+
+
+def test_a_failure_reported_by_the_monitor_wakes_a_waiting_receive(pair, bell):
+    _, b = pair
+    state = State()
+    state.failure = PeerFailure("rank 3 died", peer=3)
+    os.eventfd_write(bell, 1)
+    with pytest.raises(PeerFailure, match="rank 3 died"):
+        _engine(bell, state).run([Recv(b, np.zeros(4, np.uint8))], _soon(10), "test")
+
+
+def test_a_closed_tcp_peer_is_a_peer_failure(tcp_pair, bell):
+    a, b = tcp_pair
+    a.sock.close()
+    state = State()
+    state.ended.add(0)  # the monitor has seen the peer's control connection end, no failure
+    with pytest.raises(PeerFailure) as info:
+        _engine(bell, state).run([Recv(b, np.zeros(4, np.uint8))], _soon(10), "test")
+    assert info.value.peer == 0
+
+
+@pytest.fixture
+def control():
+    """Rank 0's monitor watching a control connection from rank 1 (``peer_end``)."""
+    mine, peer_end = socket.socketpair()
+    bell = os.eventfd(0, os.EFD_NONBLOCK)
+    state = State()
+    mon = Monitor(0, {1: mine}, bell, state)
+    yield mon, state, peer_end, bell
+    mon.stop()
+    mine.close()
+    peer_end.close()
+    os.close(bell)
+
+
+def _wait_for(pred, bell, seconds=10.0):
+    import select
+
+    deadline = _soon(seconds)
+    while not pred():
+        assert _now() < deadline, "the monitor did not react"
+        select.select([bell], [], [], 0.05)
+
+
+def test_monitor_reports_a_vanished_peer(control):
+    mon, state, peer_end, bell = control
+    peer_end.close()
+    _wait_for(lambda: state.failure is not None, bell)
+    assert isinstance(state.failure, PeerFailure) and state.failure.peer == 1
+    assert "rank 1 died" in str(state.failure)
+
+
+def test_monitor_accepts_a_clean_close(control):
+    mon, state, peer_end, bell = control
+    peer_end.sendall(CLOSE)
+    peer_end.close()
+    _wait_for(lambda: 1 in state.ended, bell)
+    assert state.failure is None and 1 in state.closed_peers
+
+
+def test_monitor_blames_the_culprit_an_abort_names(control):
+    mon, state, peer_end, bell = control
+    message = encode_abort("rank 2 died", culprit=2)
+    peer_end.sendall(message[:3])  # split messages are reassembled
+    peer_end.sendall(message[3:])
+    _wait_for(lambda: state.failure is not None, bell)
+    assert state.failure.peer == 2 and "rank 1 aborted: rank 2 died" in str(state.failure)
+
+
+def test_transport_comes_from_the_environment_when_auto(monkeypatch):
+    monkeypatch.setenv("GPUCOLL_TRANSPORT", "TCP")
+    assert mesh.resolve_transport("auto") == "tcp"
+    assert mesh.resolve_transport("shm") == "shm"
+
+
+def test_an_unknown_transport_is_a_value_error_naming_the_source(monkeypatch):
+    monkeypatch.setenv("GPUCOLL_TRANSPORT", "infiniband")
+    with pytest.raises(ValueError, match="GPUCOLL_TRANSPORT='infiniband'"):
+        mesh.resolve_transport("auto")
+    with pytest.raises(ValueError, match="transport='udp'"):
+        mesh.resolve_transport("udp")
+
+
+def test_ring_size_shrinks_with_many_local_peers_and_obeys_the_environment(monkeypatch):
+    assert shm.ring_bytes(1) == 4 << 20
+    assert shm.ring_bytes(63) < shm.ring_bytes(3)
+    monkeypatch.setenv("GPUCOLL_SHM_RING_BYTES", "5000")
+    assert shm.ring_bytes(1) % 16 == 0 and shm.ring_bytes(1) >= 5000
+
+
+def test_segments_have_no_name_in_dev_shm():
+    before = set(os.listdir("/dev/shm"))
+    ring = _ring(4096)
+    assert set(os.listdir("/dev/shm")) == before
+    ring.close()
+
+
+def _now() -> float:
+    import time
+
+    return time.monotonic()
+
+
+def _soon(seconds: float) -> float:
+    return _now() + seconds
