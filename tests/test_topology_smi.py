@@ -81,6 +81,14 @@ def test_gpu_numa_id_of_grace_hopper():
     assert smi.extras["GPU0"]["GPU NUMA ID"] == "1"
 
 
+def test_unindented_copy_with_a_prompt_below_parses():
+    text = ("$ nvidia-smi topo -m\nGPU0\tGPU1\tCPU Affinity\nGPU0\t X \tNV2\t0-7\n"
+            "GPU1\tNV2\t X \t0-7\nuser@host:~$ \n")
+    smi = parse_smi(text)
+    assert smi.columns == ("GPU0", "GPU1") and list(smi.rows) == ["GPU0", "GPU1"]
+    assert smi.extras["GPU1"] == {"CPU Affinity": "0-7"}
+
+
 def test_text_without_header_is_an_error_naming_the_source():
     with pytest.raises(TopologyParseError, match="saved.txt: no header line"):
         parse_smi("nvidia-smi: command not found\n", source="saved.txt")

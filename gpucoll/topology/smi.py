@@ -1,7 +1,9 @@
 """Reader of saved ``nvidia-smi topo -m`` outputs, as old and new drivers print them.
 
 The matrix is read cell by cell and kept as printed. Tolerated: leading comment or prompt lines,
-tab-separated or tab-expanded text, rows cut off at the end (a partial copy), blank CPU
+indentation lost in copying, the matrix ending at any line that is not one of its rows (so a
+prompt right below it is fine), tab-separated or tab-expanded text, rows cut off at the end (a
+partial copy), blank CPU
 affinities, a NIC legend or none, NICs named by their RDMA device (``mlx5_0``) in the header,
 and extra columns after the matrix (CPU Affinity, NUMA Affinity, GPU NUMA ID) in any subset.
 """
@@ -38,7 +40,7 @@ def parse_smi(text: str, source: str = "<text>") -> SmiFacts:
     rows: dict[str, tuple[str, ...]] = {}
     extras: dict[str, dict[str, str]] = {}
     end = start + 1
-    while end < len(lines) and lines[end].strip() and not lines[end].strip().endswith(":"):
+    while end < len(lines) and lines[end].split()[:1] and lines[end].split()[0] in columns:
         name, cells, values = _parse_row(lines[end], columns, extra_columns, source, end + 1)
         if name in rows:
             raise TopologyParseError(f"row {name} appears twice", source=source, line=end + 1)
@@ -53,12 +55,14 @@ def parse_smi(text: str, source: str = "<text>") -> SmiFacts:
 
 
 def _find_header(lines: list[str], source: str) -> int:
-    """Index of the header line: indented, its first name GPU0 (everything above is ignored)."""
+    """Index of the header line: GPU0 followed by a column name rather than a label (the GPU0
+    row has X there). Lines above it (comments, prompts, titles) are ignored."""
     for i, line in enumerate(lines):
-        if line[:1] in (" ", "\t") and line.split()[:1] == ["GPU0"]:
+        tokens = line.split()
+        if tokens[:1] == ["GPU0"] and (len(tokens) == 1 or not is_label(tokens[1])):
             return i
     raise TopologyParseError(
-        "no header line found (expected an indented line starting with GPU0, as "
+        "no header line found (expected a line of column names starting with GPU0, as "
         "`nvidia-smi topo -m` prints)", source=source)
 
 
