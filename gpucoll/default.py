@@ -59,7 +59,6 @@ def _timeout(timeout: float | None) -> float:
 def _rendezvous(rank: Any, world_size: Any, store: Any,
                 timeout: float) -> tuple[int, int, Any, Any]:
     """(rank, world size, store, the store if init made it and must close it, else None)."""
-    from gpucoll import rendezvous
     from gpucoll.store import TCPStore, parse_address
 
     if (rank is None) != (world_size is None):
@@ -67,7 +66,7 @@ def _rendezvous(rank: Any, world_size: Any, store: Any,
                          "come from the environment)")
     env = None
     if rank is None:
-        env = rendezvous.from_env()
+        env = _from_env()
         rank, world_size = env.rank, env.world_size
     _check_rank(rank, world_size)
     if isinstance(store, str):
@@ -79,8 +78,16 @@ def _rendezvous(rank: Any, world_size: Any, store: Any,
     if env is None and world_size == 1:
         made = TCPStore("127.0.0.1", 0, is_server=True, timeout=timeout)
         return rank, world_size, made, made
-    made = rendezvous.connect(env or rendezvous.from_env(), timeout=timeout)
+    from gpucoll import rendezvous
+
+    made = rendezvous.connect(env or _from_env(), timeout=timeout)
     return rank, world_size, made, made
+
+
+def _from_env() -> Any:
+    from gpucoll import rendezvous
+
+    return rendezvous.from_env()
 
 
 def _check_rank(rank: Any, world_size: Any) -> None:
