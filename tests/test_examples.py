@@ -58,6 +58,22 @@ def test_training_example_reports_a_falling_loss_and_identical_parameters(launch
     assert "over 40 steps" in line and "parameters identical on 4 ranks: True" in line
 
 
+def test_a_wrong_result_on_one_rank_fails_every_rank(launch, tmp_path):
+    script = tmp_path / "verdict.py"
+    script.write_text(
+        "import sys\n"
+        f"sys.path.insert(0, {EXAMPLES!r})\n"
+        "import numpy as np\n"
+        "from _example import finish, start\n"
+        "comm, xp = start(False)\n"
+        "sys.exit(finish(comm, xp, 'verdict', comm.rank != 1, f'checked on rank {comm.rank}'))\n")
+    job = launch(["-n", "3", "--timeout", "100", str(script)])
+    assert job.finish(timeout=110) == 1, job.text()
+    assert "FAILED" in check_line(job.out(), "verdict")
+    assert "[rank 1] rank 1: wrong result: checked on rank 1" in job.err()
+    assert job.err().count("exit code 1") == 3  # every rank: the failed one and the others
+
+
 def run_other_launcher(argv: list[str], tmp_path) -> subprocess.CompletedProcess:
     """Run another launcher in its own session; at the deadline kill all of it and fail."""
     proc = subprocess.Popen(argv, cwd=tmp_path, stdout=subprocess.PIPE, stderr=subprocess.PIPE,
