@@ -268,6 +268,14 @@ def test_pcie_link_below_its_max_is_reported(tmp_path):
     assert slow.devices == ("GPU6",) and "gen 3 x8, below its max gen 4 x16" in slow.message
 
 
+def test_gpu_pair_without_p2p_read_is_reported(tmp_path):
+    record = copy.deepcopy(recorded("dgx1-v100"))
+    record["pairs"]["0,5"]["p2p_read"] = 2  # NVML_P2P_STATUS_GPU_NOT_SUPPORTED
+    layout = probe(nvml=FakeNvml(record), sysfs_root=build_sysfs(tmp_path, "dgx1-v100"))
+    (blocked,) = [w for w in layout.warnings if w.code == "p2p-unavailable"]
+    assert blocked.devices == ("GPU0", "GPU5") and "GPU0-GPU5" in blocked.message
+
+
 # --- sysfs alone: GPUs on the bus without a driver ------------------------------------------
 
 def test_without_driver_sysfs_shows_pcie_paths_of_the_saved_machine(tmp_path):

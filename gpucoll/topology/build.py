@@ -77,7 +77,8 @@ def observed_from_nvml(nvml: NvmlFacts, sysfs: SysfsFacts | None = None) -> Obse
     matrix = {a: {b: label(a, b) for b in names} for a in names}
     switch = any(link.remote_kind == "switch" and link.active
                  for g in nvml.gpus for link in g.nvlinks)
-    return Observed("nvml", None, devices, matrix, switch)
+    blocked = tuple((f"GPU{p.a}", f"GPU{p.b}") for p in nvml.pairs if p.p2p_read is False)
+    return Observed("nvml", None, devices, matrix, switch, p2p_blocked=blocked)
 
 
 def nvlink_label(a: NvmlGpu, b: NvmlGpu) -> str | None:

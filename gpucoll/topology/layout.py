@@ -43,7 +43,7 @@ class Finding:
     """A warning about the layout: a stable code, a sentence, and the devices concerned."""
 
     code: str  # cross-socket | no-nearby-nic | pcie-degraded | nvlink-down | nvlink-uneven |
-    #            partial | no-driver
+    #            p2p-unavailable | partial | no-driver
     message: str
     devices: tuple[str, ...] = ()
 
@@ -58,6 +58,7 @@ class Observed:
     matrix: dict[str, dict[str, str | None]]  # None: not shown by the source
     nvswitch: bool | None = None  # None: the source cannot tell, infer from link counts
     notes: tuple[Finding, ...] = ()  # source-specific findings (partial input, no driver)
+    p2p_blocked: tuple[tuple[str, str], ...] = ()  # GPU pairs NVML says cannot read each other
 
 
 @dataclass(frozen=True)
@@ -198,7 +199,19 @@ def findings(layout: Layout) -> list[Finding]:
     out += _pcie_degraded(layout)
     out += _nvlink_down(layout)
     out += _nvlink_uneven(layout)
+    out += _p2p_blocked(layout)
     return out
+
+
+def _p2p_blocked(layout: Layout) -> list[Finding]:
+    pairs = layout.observed.p2p_blocked
+    if not pairs:
+        return []
+    text = ", ".join(f"{a}-{b}" for a, b in pairs)
+    gpus = tuple(dict.fromkeys(g for p in pairs for g in p))
+    return [Finding("p2p-unavailable", f"{len(pairs)} GPU pair(s) cannot read each other's "
+                    f"memory directly: {text}; their traffic is staged through host memory "
+                    "(PCIe ACS or the IOMMU often cause this)", gpus)]
 
 
 def _cross_socket(layout: Layout) -> list[Finding]:
