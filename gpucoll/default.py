@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import dataclasses
 import os
 from typing import Any
 
@@ -59,14 +60,14 @@ def _timeout(timeout: float | None) -> float:
 def _rendezvous(rank: Any, world_size: Any, store: Any,
                 timeout: float) -> tuple[int, int, Any, Any]:
     """(rank, world size, store, the store if init made it and must close it, else None)."""
+    from gpucoll import rendezvous
     from gpucoll.store import TCPStore, parse_address
 
     if (rank is None) != (world_size is None):
         raise ValueError("gpucoll.init: pass both rank and world_size, or neither (then they "
                          "come from the environment)")
-    env = None
-    if rank is None:
-        env = _from_env()
+    env = rendezvous.from_env() if rank is None else None
+    if env is not None:
         rank, world_size = env.rank, env.world_size
     _check_rank(rank, world_size)
     if isinstance(store, str):
@@ -78,16 +79,15 @@ def _rendezvous(rank: Any, world_size: Any, store: Any,
     if env is None and world_size == 1:
         made = TCPStore("127.0.0.1", 0, is_server=True, timeout=timeout)
         return rank, world_size, made, made
-    from gpucoll import rendezvous
-
-    made = rendezvous.connect(env or _from_env(), timeout=timeout)
+    if env is None:  # explicit rank and size: the store's address may still be in the env
+        try:
+            env = dataclasses.replace(rendezvous.from_env(), rank=rank, world_size=world_size)
+        except rendezvous.RendezvousError:
+            raise ValueError("gpucoll.init: with rank and world_size given, also pass store= "
+                             "(a TCPStore or 'tcp://host:port') or set GPUCOLL_STORE or "
+                             "GPUCOLL_MASTER_ADDR") from None
+    made = rendezvous.connect_store(env, timeout)
     return rank, world_size, made, made
-
-
-def _from_env() -> Any:
-    from gpucoll import rendezvous
-
-    return rendezvous.from_env()
 
 
 def _check_rank(rank: Any, world_size: Any) -> None:

@@ -1,0 +1,224 @@
+"""Communicator behaviour beyond single results: async ordering, out=, strided inputs, split,
+init and the default communicator, closing.
+
+Scenarios that leave the group healthy share one 3-rank spawn (``_scenarios``); each test reads
+its scenario's outcome from that run.
+"""
+
+from __future__ import annotations
+
+import functools
+import threading
+
+import numpy as np
+import pytest
+from multiproc import spawn
+
+import gpucoll
+from gpucoll.store import TCPStore
+
+
+def async_ops_complete_in_issue_order(comm):
+    x = np.ones(5, dtype=np.int64)
+    works = [comm.all_reduce(x, async_op=True) for _ in range(3)]  # x -> n, n^2, n^3
+    y = np.full(70001, comm.rank, dtype=np.float64)
+    works.append(comm.broadcast(y, root=comm.size - 1, async_op=True))
+    last = works[-1].wait()
+    assert last is y and (y == comm.size - 1).all()
+    assert all(w.is_completed() for w in works)
+    assert (x == comm.size ** 3).all()
+
+
+def async_work_returns_the_result_array(comm):
+    work = comm.all_gather(np.array([comm.rank]), async_op=True)
+    out = work.wait()
+    assert out.tolist() == [[r] for r in range(comm.size)]
+    assert work.result() is out
+
+
+def sync_call_sees_earlier_async_results(comm):
+    x = np.ones(3, dtype=np.int32)
+    comm.all_reduce(x, async_op=True)
+    total = comm.all_reduce(x)  # runs after the async call, on its result
+    assert (total == comm.size * comm.size).all()
+
+
+def async_validation_errors_raise_at_the_call(comm):
+    with pytest.raises(ValueError, match="root=99"):
+        comm.broadcast(np.zeros(1), root=99, async_op=True)
+
+
+def out_buffers_are_filled_and_returned(comm):
+    x = np.arange(4, dtype=np.float32) + comm.rank
+    out = np.empty((comm.size, 4), dtype=np.float32)
+    assert comm.all_gather(x, out=out) is out
+    assert out.tolist() == [(np.arange(4) + r).tolist() for r in range(comm.size)]
+    red = np.empty(2, dtype=np.float32)
+    assert comm.reduce_scatter(np.ones((comm.size, 2), np.float32), out=red) is red
+    assert (red == comm.size).all()
+
+
+def strided_inputs_are_reduced_and_written_back(comm):
+    x = np.zeros((4, 6), dtype=np.int32)
+    col = x[:, 1]  # a strided view
+    col[:] = comm.rank + 1
+    assert comm.all_reduce(col) is col
+    assert (x[:, 1] == sum(range(1, comm.size + 1))).all() and (x[:, 0] == 0).all()
+    gathered = comm.all_gather(np.arange(10)[::3])
+    assert gathered.shape == (comm.size, 4)
+
+
+def buffer_protocol_objects_work(comm):
+    buf = bytearray([comm.rank + 1] * 3)
+    comm.all_reduce(buf, op="max")
+    assert list(buf) == [comm.size] * 3
+
+
+def split_by_parity_orders_ranks_by_key(comm):
+    sub = comm.split(comm.rank % 2, key=-comm.rank)
+    members = [r for r in range(comm.size) if r % 2 == comm.rank % 2]
+    assert sub.size == len(members) and sub.backend == comm.backend
+    assert sub.rank == sorted(members, reverse=True).index(comm.rank)
+    got = sub.all_gather(np.array([comm.rank]))
+    assert got.ravel().tolist() == sorted(members, reverse=True)
+    sub.close()
+
+
+def split_with_color_none_returns_none(comm):
+    sub = comm.split(None if comm.rank == 0 else 7)
+    if comm.rank == 0:
+        assert sub is None
+    else:
+        assert sub.size == comm.size - 1 and sub.rank == comm.rank - 1
+        assert int(sub.all_reduce(np.array([1]))[0]) == comm.size - 1
+        sub.close()
+
+
+def split_of_a_split_works(comm):
+    sub = comm.split(0)
+    subsub = sub.split(sub.rank // 2)
+    assert int(subsub.all_reduce(np.array([1]))[0]) == subsub.size
+    comm.barrier()
+    sub.close()
+    assert subsub.closed  # closing a communicator closes those split from it
+
+
+def bad_arguments_leave_the_group_usable(comm):
+    for bad in (lambda: comm.all_reduce(np.zeros(2, np.float32), op="bxor"),
+                lambda: comm.reduce_scatter(np.zeros((comm.size + 1, 2))),
+                lambda: comm.broadcast(np.zeros(2), root=comm.size),
+                lambda: comm.all_gather(np.zeros(2), out=np.zeros((comm.size, 2), np.int8))):
+        with pytest.raises((TypeError, ValueError)):
+            bad()
+    assert int(comm.all_reduce(np.array([1]))[0]) == comm.size
+
+
+SCENARIOS = [
+    async_ops_complete_in_issue_order,
+    async_work_returns_the_result_array,
+    sync_call_sees_earlier_async_results,
+    async_validation_errors_raise_at_the_call,
+    out_buffers_are_filled_and_returned,
+    strided_inputs_are_reduced_and_written_back,
+    buffer_protocol_objects_work,
+    split_by_parity_orders_ranks_by_key,
+    split_with_color_none_returns_none,
+    split_of_a_split_works,
+    bad_arguments_leave_the_group_usable,
+]
+
+
+def _scenarios(rank: int, n: int, addr: str) -> dict:
+    import traceback
+
+    report = {}
+    with gpucoll.init("ring", rank=rank, world_size=n, store=addr, timeout=30) as comm:
+        for scenario in SCENARIOS:
+            try:
+                scenario(comm)
+                report[scenario.__name__] = None
+            except Exception:
+                report[scenario.__name__] = traceback.format_exc()
+            comm.barrier()
+    report["threads"] = [t.name for t in threading.enumerate() if t is not threading.main_thread()]
+    return report
+
+
+@functools.cache
+def _reports(size: int) -> list[dict]:
+    server = TCPStore("127.0.0.1", 0, is_server=True, timeout=60)
+    try:
+        return spawn(_scenarios, size, f"tcp://127.0.0.1:{server.port}", timeout=120)
+    finally:
+        server.close()
+
+
+@pytest.mark.parametrize("scenario", [s.__name__ for s in SCENARIOS])
+def test_scenario_on_three_ranks(scenario):
+    errors = [f"### rank {r}\n{rep[scenario]}" for r, rep in enumerate(_reports(3))
+              if rep[scenario]]
+    assert not errors, "\n".join(errors)
+
+
+def test_no_thread_outlives_close():
+    assert all(rep["threads"] == [] for rep in _reports(3)), [r["threads"] for r in _reports(3)]
+
+
+def _module_level(rank: int, n: int, addr: str) -> list:
+    first = gpucoll.init("ring", rank=rank, world_size=n, store=addr, timeout=30)
+    assert gpucoll.is_initialized() and gpucoll.get_default() is first
+    x = gpucoll.all_reduce(np.array([gpucoll.get_rank() + 1.0]))
+    sizes = gpucoll.all_gather(np.array([gpucoll.get_world_size()]))
+    with pytest.raises(RuntimeError, match="already initialised"):
+        gpucoll.init("ring", rank=rank, world_size=n, store=addr)
+    gpucoll.close()
+    assert not gpucoll.is_initialized() and first.closed
+    second = gpucoll.init(rank=rank, world_size=n, store=addr, timeout=30)  # a fresh namespace
+    y = gpucoll.broadcast(np.array([rank]), root=1)
+    gpucoll.close()
+    return [float(x[0]), sizes.ravel().tolist(), int(y[0]), second.backend]
+
+
+def test_module_level_functions_act_on_the_default_communicator(store_addr):
+    results = spawn(_module_level, 2, store_addr, timeout=60)
+    assert results == [[3.0, [2, 2], 1, "ring"]] * 2
+
+
+def test_functions_before_init_say_to_call_init():
+    with pytest.raises(RuntimeError, match=r"call gpucoll.init\(\) first"):
+        gpucoll.get_rank()
+
+
+def test_one_rank_world_needs_no_store_or_launcher():
+    with gpucoll.init("ring", rank=0, world_size=1) as comm:
+        assert (comm.rank, comm.size) == (0, 1)
+        assert comm.all_reduce(np.array([2.5]))[0] == 2.5
+        assert comm.scatter(np.arange(3).reshape(1, 3)).tolist() == [0, 1, 2]
+        store = comm._owned_store
+    assert store._closed  # the communicator closes the store it created
+    gpucoll.close()
+
+
+def test_init_reads_rank_and_size_from_the_environment(monkeypatch):
+    monkeypatch.setenv("GPUCOLL_RANK", "0")
+    monkeypatch.setenv("GPUCOLL_WORLD_SIZE", "1")
+    with gpucoll.init("ring") as comm:
+        assert (comm.rank, comm.size, comm.backend) == (0, 1, "ring")
+    gpucoll.close()
+
+
+def test_init_refuses_rank_without_world_size():
+    with pytest.raises(ValueError, match="pass both rank and world_size"):
+        gpucoll.init(rank=0)
+
+
+def test_init_refuses_an_unknown_backend():
+    with pytest.raises(ValueError, match=r"backend='mpi' is not a backend; expected one of"):
+        gpucoll.init("mpi", rank=0, world_size=1)
+
+
+def test_init_accepts_a_store_object_and_leaves_it_open(store_server):
+    with gpucoll.init("ring", rank=0, world_size=1, store=store_server) as comm:
+        comm.barrier()
+    gpucoll.close()
+    assert store_server.add("still-open", 1) == 1
