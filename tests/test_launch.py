@@ -18,14 +18,29 @@ ENV_DUMP = """
     print("ENV " + json.dumps({n: os.environ.get(n) for n in names}))
 """
 
-# Ranks print their pid and "ready", then wait to be stopped; SIGTERM ends them with code 7.
+# Ranks print their pid and "ready" (and leave a file ready-RANK), then wait to be stopped;
+# SIGTERM ends them with code 7. FAILING_RANK (if set) first waits for the others to be ready.
 WAITER = """
     import os, signal, sys, time
+    rank, world = int(os.environ["RANK"]), int(os.environ["WORLD_SIZE"])
+    failing = {failing}
+    if rank == failing:
+        others = [f"ready-{{r}}" for r in range(world) if r != rank]
+        deadline = time.monotonic() + 60
+        while not all(os.path.exists(f) for f in others) and time.monotonic() < deadline:
+            time.sleep(0.01)
+        print("boom: rank", rank, "gives up", file=sys.stderr)
+        sys.exit({code})
     signal.signal(signal.SIGTERM, lambda *a: sys.exit(7))
-    print(f"pid={os.getpid()} ready", flush=True)
+    print(f"pid={{os.getpid()}} ready", flush=True)
+    open(f"ready-{{rank}}", "w").close()
     while True:
         time.sleep(1)
 """
+
+
+def waiter(failing: int = -1, code: int = 0) -> str:
+    return WAITER.format(failing=failing, code=code)
 
 
 @pytest.fixture
@@ -172,11 +187,7 @@ def test_a_rank_killed_by_a_signal_gives_128_plus_the_signal(launch, tmp_path):
 
 
 def test_first_failure_is_reported_and_the_others_are_stopped(launch, tmp_path):
-    script = write_script(tmp_path, WAITER.replace("import os, signal, sys, time", """
-    import os, signal, sys, time
-    if os.environ["RANK"] == "2":
-        print("boom: rank 2 gives up", file=sys.stderr)
-        sys.exit(3)"""))
+    script = write_script(tmp_path, waiter(failing=2, code=3))
     job = launch(["-n", "4", "--grace", "0.5", script])
     # the others stop with code 7 (their SIGTERM handler): the report must still say 3
     assert job.finish() == 3, job.text()
@@ -189,17 +200,9 @@ def test_first_failure_is_reported_and_the_others_are_stopped(launch, tmp_path):
 
 
 def test_ranks_ignoring_sigterm_are_killed_after_the_grace_period(launch, tmp_path):
-    script = write_script(tmp_path, """
-        import os, signal, sys, time
-        signal.signal(signal.SIGTERM, signal.SIG_IGN)
-        if os.environ["RANK"] == "1":
-            sys.exit(4)
-        print(f"pid={os.getpid()}", flush=True)
-        while True:
-            time.sleep(1)
-    """)
+    script = write_script(tmp_path, waiter(failing=1, code=4).replace(
+        "lambda *a: sys.exit(7)", "signal.SIG_IGN"))
     job = launch(["-n", "2", "--grace", "0.5", script])
-    job.wait_for_lines(r"pid=", 1)
     assert job.finish() == 4, job.text()
     assert "rank 0: stopped by the launcher (SIGKILL)" in job.err()
     assert not any(alive(pid) for pid in pids(job))
@@ -248,11 +251,11 @@ def test_a_hung_rank_is_stopped_at_the_job_timeout(launch, tmp_path):
             print("rank 1 is stuck", file=sys.stderr, flush=True)
             time.sleep(3600)
     """)
-    job = launch(["-n", "2", "--timeout", "3", "--grace", "0.5", script])
+    job = launch(["-n", "2", "--timeout", "5", "--grace", "0.5", script])
     assert job.finish() == 124, job.text()
     err = job.err()
-    assert "timed out after 3 s" in err and "rank 1: stopped by the launcher" in err
-    assert "rank 1 is stuck" in err.split("timed out after 3 s (--timeout)", 1)[1]
+    assert "timed out after 5 s" in err and "rank 1: stopped by the launcher" in err
+    assert "rank 1 is stuck" in err.split("timed out after 5 s (--timeout)", 1)[1]
     assert not any(alive(pid) for pid in pids(job))
 
 
@@ -339,10 +342,10 @@ def test_two_nodes_form_one_job(launch, tmp_path):
 
 
 def test_a_failure_on_one_node_stops_the_ranks_of_the_other(launch, tmp_path):
-    script = write_script(tmp_path, WAITER.replace("import os, signal, sys, time", """
-    import os, signal, sys, time
-    if os.environ["RANK"] == "3":
-        sys.exit(6)"""))
+    # each node's ranks wait for their own node's files only: the failing rank 3 (node 1) waits
+    # for rank 2, and node 0's ranks are stopped whenever the abort arrives
+    script = write_script(tmp_path, waiter(failing=3, code=6).replace(
+        "if r != rank]", "if r != rank and r // 2 == rank // 2]"))
     env = {"GPUCOLL_STORE_TOKEN": "shared-secret-for-this-test"}
     common = ["-n", "2", "--nnodes", "2", "--master-addr", "127.0.0.1", "--grace", "0.5"]
     node0 = launch([*common, "--node-rank", "0", "--master-port", "0", script], env=env)
@@ -358,7 +361,7 @@ def test_a_failure_on_one_node_stops_the_ranks_of_the_other(launch, tmp_path):
 
 
 def test_ranks_die_with_a_launcher_that_is_killed(launch, tmp_path):
-    job = launch(["-n", "2", write_script(tmp_path, WAITER)])
+    job = launch(["-n", "2", write_script(tmp_path, waiter())])
     job.wait_for_lines(r"ready$", 2)
     job.proc.kill()  # the launcher alone: it gets no chance to clean up
     job.finish()
