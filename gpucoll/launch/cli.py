@@ -42,7 +42,8 @@ def parser() -> argparse.ArgumentParser:
                    help="port of the job's store (default: any free port on one node)")
     p.add_argument("--token", default=None,
                    help="store token shared by all nodes (default: GPUCOLL_STORE_TOKEN for "
-                   "several nodes, a fresh random one for one node)")
+                   "several nodes, a fresh random one for one node); prefer the variable, "
+                   "which other users cannot read in the process list")
     p.add_argument("--tee", metavar="DIR", help="also write each rank's output to DIR/rank-R.log")
     p.add_argument("--timeout", type=float, metavar="S", help="stop the job after S seconds")
     p.add_argument("--grace", type=float, default=5.0, metavar="S",
