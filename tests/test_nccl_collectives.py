@@ -76,3 +76,12 @@ def test_a_collective_whose_peer_never_comes_times_out_and_aborts(store_addr):
     message = spawn(nccl_ranks.peer_never_calls, 2, store_addr, timeout=60)[0]
     assert "all_reduce on rank 0 of 2 did not complete within 1 s" in message
     assert "aborted" in message
+
+
+@pytest.mark.slow
+def test_the_shared_correctness_matrix_passes_through_the_nccl_backend(store_addr):
+    reports = spawn(nccl_ranks.collective_matrix, 2, store_addr, timeout=110)
+    failures = [f"rank {r}: {case}: {error}" for r, report in enumerate(reports)
+                for case, error in report.items() if error is not None]
+    assert len(reports[0]) > 800
+    assert failures == []
