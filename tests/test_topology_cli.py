@@ -102,3 +102,24 @@ def test_saved_output_renders_as_png(path, tmp_path, capsys):
 
 def test_json_and_dot_together_are_refused(capsys):
     assert main(["--from", str(SAVED[0]), "--json", "--dot"]) == 2
+
+
+def test_picture_of_nvswitch_machine_joins_each_gpu_to_the_switch():
+    from gpucoll.topology import load
+    from gpucoll.topology.graph import NVSWITCH, build_graph
+
+    nodes, edges = build_graph(load(DATA / "dgx-a100-8gpu-nv12-10nic.txt"))
+    nvlinks = [e for e in edges if e.kind == "nvlink"]
+    assert sorted(e.a for e in nvlinks) == [f"GPU{i}" for i in range(8)]
+    assert {e.b for e in nvlinks} == {NVSWITCH} and {e.label for e in nvlinks} == {"NV12"}
+    assert len([e for e in edges if e.kind == "pcie"]) == 16  # two PXB NICs per GPU
+    groups = {n.name: n.group for n in nodes}
+    assert groups["GPU0"] == groups["NIC1"] == "NUMA 3" and groups["NIC8"] is None
+
+
+def test_picture_of_pcie_machine_draws_only_each_gpus_nearest_peers():
+    from gpucoll.topology import load
+    from gpucoll.topology.graph import build_graph
+
+    _, edges = build_graph(load(DATA / "tesla-p40-8gpu-pcie-switch-pix-pxb-old-soc-legend.txt"))
+    assert len(edges) == 12 and {e.label for e in edges} == {"PIX"}

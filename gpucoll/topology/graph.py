@@ -31,8 +31,8 @@ def build_graph(layout: Layout) -> tuple[list[Node], list[Edge]]:
     """Nodes (GPUs, NICs, one NVSwitch node when present) and the edges worth drawing."""
     groups = {g.name: _group(g) for g in layout.gpus}
     nodes = [Node(g.name, "gpu", groups[g.name], _gpu_text(g)) for g in layout.gpus]
-    nodes += [Node(n.name, "nic", _nic_group(layout, n, groups), _nic_text(n))
-              for n in layout.nics]
+    nics = sorted(layout.nics, key=lambda n: (_nearest_gpu(layout, n), n.index))
+    nodes += [Node(n.name, "nic", _nic_group(layout, n, groups), _nic_text(n)) for n in nics]
     edges = _nvlink_edges(layout) + _pcie_edges(layout)
     if layout.nvswitch and layout.nvlink_pairs:
         nodes.append(Node(NVSWITCH, "switch", None, "NVSwitch"))
@@ -50,6 +50,13 @@ def _nic_group(layout: Layout, nic: Device, groups: dict[str, str | None]) -> st
     near = [(labels.pcie_level(layout.matrix[g][nic.name]), g) for g in groups]
     near = [(level, g) for level, g in near if level is not None and level <= 3]
     return groups[min(near)[1]] if near else None
+
+
+def _nearest_gpu(layout: Layout, nic: Device) -> int:
+    """Index of the GPU nearest to a NIC (the first of equals), so NICs line up with GPUs."""
+    levels = [(labels.pcie_level(layout.matrix[g.name][nic.name]), g.index) for g in layout.gpus]
+    known = [lv for lv in levels if lv[0] is not None]
+    return min(known)[1] if known else len(layout.gpus)
 
 
 def _gpu_text(gpu: Device) -> str:
@@ -72,11 +79,15 @@ def _nvlink_edges(layout: Layout) -> list[Edge]:
 
 
 def _pcie_edges(layout: Layout) -> list[Edge]:
-    """Close PCIe paths only (PIX, PXB, PHB): GPU pairs without NVLink, and nearest NICs."""
+    """Close PCIe paths only (PIX, PXB, PHB): between GPUs without NVLink, each GPU's nearest
+    peers (farther ones follow from the picture); and each GPU's nearest NICs."""
     gpus = [g.name for g in layout.gpus]
-    edges = [Edge(a, b, layout.matrix[a][b], "pcie")
-             for i, a in enumerate(gpus) for b in gpus[i + 1:]
+    pairs = [(a, b) for i, a in enumerate(gpus) for b in gpus[i + 1:]
              if (a, b) not in layout.nvlink_pairs and _close(layout.matrix[a][b])]
+    level = {p: labels.pcie_level(layout.matrix[p[0]][p[1]]) for p in pairs}
+    best = {g: min((lv for p, lv in level.items() if g in p), default=None) for g in gpus}
+    edges = [Edge(a, b, layout.matrix[a][b], "pcie") for a, b in pairs
+             if level[(a, b)] in (best[a], best[b])]
     for gpu, (nics, label) in layout.nearest_nic.items():
         edges += [Edge(gpu, nic, label, "pcie") for nic in nics if _close(label)]
     return edges

@@ -46,9 +46,10 @@ def render_png(layout: Layout, path: str | Path) -> Path:
 def place(nodes: list[Node]) -> tuple[dict, list]:
     """Node name -> (x, y), and (group label, x0, y0, x1, y1) boxes around each group.
 
-    Groups (sockets) stand in at most two rows, in GPU order, COLS boxes to a row inside each.
-    With an NVSwitch the two rows face each other across it: GPUs on the side of the switch,
-    NICs on the outside. Ungrouped devices form a group of their own.
+    Groups (sockets) stand in at most two rows, in GPU order; inside each, GPUs come first and
+    NICs below them, in the order of their nearest GPU. With an NVSwitch the two rows face each
+    other across it: GPUs on the side of the switch, NICs on the outside. Ungrouped devices form
+    a group of their own.
     """
     order = list(dict.fromkeys(n.group for n in nodes if n.kind != "switch" and n.group))
     switch = any(n.kind == "switch" for n in nodes)
@@ -63,10 +64,17 @@ def place(nodes: list[Node]) -> tuple[dict, list]:
         height = 0
         x0 = 0.0
         for group in row:
-            members = _members(nodes, group, nics_first=switch and r == 0 and len(rows) > 1)
-            cols, depth = min(COLS, len(members)), math.ceil(len(members) / COLS)
-            for i, node in enumerate(members):
-                where[node.name] = (x0 + (i % COLS) * DX, top - (i // COLS) * DY)
+            gpus = [n for n in nodes if n.group == group and n.kind == "gpu"]
+            nics = [n for n in nodes if n.group == group and n.kind == "nic"]
+            # without NVLinks to draw between GPUs, one row of GPUs over their NICs reads best
+            per = min(4, max(COLS, len(gpus))) if switch else COLS
+            blocks = [nics, gpus] if switch and r == 0 and len(rows) > 1 else [gpus, nics]
+            depth = 0
+            for block in blocks:
+                for i, node in enumerate(block):
+                    where[node.name] = (x0 + (i % per) * DX, top - (depth + i // per) * DY)
+                depth += math.ceil(len(block) / per)
+            cols = min(per, max(len(gpus), len(nics)))
             boxes.append((group, x0 - DX / 2.3, top - (depth - 1) * DY - DY / 2.2,
                           x0 + (cols - 1) * DX + DX / 2.3, top + DY / 1.6))
             x0 += cols * DX + DX / 2
@@ -78,11 +86,6 @@ def place(nodes: list[Node]) -> tuple[dict, list]:
         xs = [x for x, _ in where.values()]
         where[NVSWITCH] = ((min(xs) + max(xs)) / 2, below)
     return where, boxes
-
-
-def _members(nodes: list[Node], group: str | None, nics_first: bool) -> list[Node]:
-    kinds = ("nic", "gpu") if nics_first else ("gpu", "nic")
-    return [n for kind in kinds for n in nodes if n.group == group and n.kind == kind]
 
 
 def _draw_groups(ax, boxes) -> None:
