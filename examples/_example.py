@@ -31,9 +31,12 @@ def start(device: bool):
         return gpucoll.init(), np
     import cupy
 
+    try:
+        count = cupy.cuda.runtime.getDeviceCount()
+    except cupy.cuda.runtime.CUDARuntimeError as exc:
+        sys.exit(f"--device needs a CUDA GPU, and CuPy finds none here ({exc})")
     # local rank i uses GPU i, whichever launcher started us (gpucoll run, torchrun, srun)
-    local = gpucoll.rendezvous.from_env().local_rank
-    gpu = local % cupy.cuda.runtime.getDeviceCount()
+    gpu = gpucoll.rendezvous.from_env().local_rank % count
     cupy.cuda.Device(gpu).use()
     return gpucoll.init(device=gpu), cupy
 

@@ -74,6 +74,17 @@ def test_a_wrong_result_on_one_rank_fails_every_rank(launch, tmp_path):
     assert job.err().count("exit code 1") == 3  # every rank: the failed one and the others
 
 
+def test_device_flag_without_a_gpu_is_a_clear_error(launch):
+    from conftest import cuda_available
+
+    if cuda_available():
+        pytest.skip("this machine has a GPU")
+    job = launch(["-n", "2", "--grace", "1", "--timeout", "100", example("quickstart"),
+                  "--device"])
+    assert job.finish(timeout=110) == 1, job.text()
+    assert "--device needs a CUDA GPU, and CuPy finds none here" in job.err()
+
+
 def run_other_launcher(argv: list[str], tmp_path) -> subprocess.CompletedProcess:
     """Run another launcher in its own session; at the deadline kill all of it and fail."""
     proc = subprocess.Popen(argv, cwd=tmp_path, stdout=subprocess.PIPE, stderr=subprocess.PIPE,

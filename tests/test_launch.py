@@ -370,3 +370,19 @@ def test_ranks_die_with_a_launcher_that_is_killed(launch, tmp_path):
     while any(alive(pid) for pid in ranks) and time.monotonic() < deadline:
         time.sleep(0.05)
     assert not any(alive(pid) for pid in ranks)
+
+
+GPU_ENV = "import os\nprint('CVD', os.environ.get('CUDA_VISIBLE_DEVICES'))\n"
+
+
+def test_isolated_ranks_each_see_one_gpu_of_the_visible_ones(launch, tmp_path):
+    job = launch(["-n", "2", "--isolate-gpus", "--device", write_script(tmp_path, GPU_ENV)],
+                 env={"CUDA_VISIBLE_DEVICES": "3,5"})
+    assert job.finish() == 0, job.text()
+    assert "[rank 0] CVD 3" in job.out() and "[rank 1] CVD 5" in job.out()
+
+
+def test_without_isolation_ranks_see_every_gpu(launch, tmp_path):
+    job = launch(["-n", "2", write_script(tmp_path, GPU_ENV)], env={"CUDA_VISIBLE_DEVICES": "3,5"})
+    assert job.finish() == 0, job.text()
+    assert job.out().count("CVD 3,5") == 2
