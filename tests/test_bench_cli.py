@@ -62,7 +62,7 @@ def test_bench_starts_two_ranks_and_each_peer_and_writes_every_file(tmp_path):
     expected = ["gpucoll"] + [p for p in ("gloo", "mpi") if peers.available(p) is None]
     assert sorted(tables) == sorted(expected)
     for rows in tables.values():
-        assert len(rows) == 2 * 3  # two ops x sizes 8, 64, 512 (4K not reached by x8 from 8)
+        assert len(rows) == 2 * 4  # two ops x sizes 8, 64, 512, 4096
         assert all(r[p]["wrong"] in (0, None) for r in rows for p in ("out_of_place",
                                                                        "in_place"))
     assert "# Ceiling host memcpy" in proc.stdout
@@ -83,7 +83,7 @@ def test_inside_gpucoll_run_bench_uses_the_jobs_four_ranks():
     text = "\n".join(line.removeprefix("[rank 0] ") for line in proc.stdout.splitlines())
     assert "nGpus 4 " in text and "4 ranks" in text
     rows = _tables(text)["gpucoll"]
-    assert len(rows) == 6 and all(r["in_place"]["wrong"] == 0 for r in rows)
+    assert len(rows) == 8 and all(r["in_place"]["wrong"] == 0 for r in rows)
     assert "[rank 1]" not in proc.stdout  # only rank 0 reports
 
 

@@ -135,6 +135,11 @@ def test_cases_skip_operators_a_type_cannot_take():
                                  "-f 2".split()), 2) == 6
 
 
+def test_sendrecv_on_one_rank_is_skipped_with_a_reason():
+    assert list(cases(parse_args("sendrecv -b 8 -e 8".split()), 1)) == [
+        "skipped sendrecv: a ring of sends needs at least 2 ranks"]
+
+
 def test_a_root_beyond_the_ranks_is_skipped_with_a_reason():
     listed = list(cases(parse_args("reduce -r 5 -b 8 -e 8".split()), 2))
     assert listed == ["skipped reduce root 5: only 2 ranks"]

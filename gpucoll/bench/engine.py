@@ -100,6 +100,9 @@ def cases(opts: BenchOptions, nranks: int) -> Iterator[Case | str]:
     """Every case of the sweep in order; a string instead names a combination skipped and why."""
     for op in opts.ops:
         spec = OPS[op]
+        if op == "sendrecv" and nranks < 2:
+            yield "skipped sendrecv: a ring of sends needs at least 2 ranks"
+            continue
         for dtype in opts.dtypes:
             for redop in opts.redops if spec.reduces else ("none",):
                 if redop != "none":

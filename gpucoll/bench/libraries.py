@@ -98,14 +98,14 @@ class GpucollLibrary:
 
 
 def transport_of(comm: Any) -> str:
-    """The transport the communicator's backend chose, as far as it tells."""
-    for owner in (comm, getattr(comm, "_backend", None), getattr(comm, "backend_impl", None)):
-        value = getattr(owner, "transport", None) if owner is not None else None
-        if isinstance(value, str):
-            return value
+    """The transport(s) the backend's links use, e.g. ``shm`` or ``shm+tcp``; ``nccl`` for NCCL."""
+    backend = getattr(comm, "_backend", None)
+    links = getattr(backend, "links", None)
+    if isinstance(links, dict) and links:
+        return "+".join(sorted(set(links.values())))
     if getattr(comm, "backend", "") == "nccl":
         return "nccl"
-    return os.environ.get("GPUCOLL_TRANSPORT", "auto")
+    return str(getattr(backend, "transport", None) or "none")
 
 
 def nccl_version() -> str:
