@@ -12,7 +12,7 @@ from gpucoll.launch import report
 from gpucoll.launch.config import LaunchConfig, LaunchError, validate
 from gpucoll.launch.devices import device_env, visible_gpus
 from gpucoll.launch.environ import rank_env
-from gpucoll.launch.output import MAX_LINE, TAIL_LINES, Console, RankOutput
+from gpucoll.launch.output import MAX_LINE, TAIL_LINES, TAIL_WIDTH, Console, RankOutput
 
 
 class Sink:
@@ -146,6 +146,11 @@ def test_the_stderr_tail_keeps_the_last_lines():
     lines = [f"line {i}".encode() for i in range(TAIL_LINES + 5)]
     _, output = pump([b"\n".join(lines) + b"\n"], stream="stderr")
     assert output.last_stderr() == [f"line {i}" for i in range(5, TAIL_LINES + 5)]
+
+
+def test_long_stderr_lines_are_cut_in_the_report_tail():
+    _, output = pump([b"e" * (TAIL_WIDTH + 50) + b"\n"], stream="stderr")
+    assert output.last_stderr() == ["e" * TAIL_WIDTH + " [...]"]
 
 
 def test_tee_log_holds_the_lines_without_prefix(tmp_path):

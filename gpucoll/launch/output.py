@@ -15,6 +15,7 @@ from typing import BinaryIO
 
 MAX_LINE = 1 << 16  # a longer line is cut so a rank cannot buffer without bound
 TAIL_LINES = 20  # stderr lines kept per rank for the failure report
+TAIL_WIDTH = 400  # characters of each such line shown in the report
 
 
 class Console:
@@ -62,7 +63,9 @@ class RankOutput:
                 self.log.close()
 
     def last_stderr(self) -> list[str]:
-        return [line.decode(errors="replace") for line in self.tail]
+        """The rank's last stderr lines as text, each cut to :data:`TAIL_WIDTH` characters."""
+        lines = [line.decode(errors="replace") for line in self.tail]
+        return [t if len(t) <= TAIL_WIDTH else t[:TAIL_WIDTH] + " [...]" for t in lines]
 
     def _pump(self, stream: str, fd: int) -> None:
         pending = b""
