@@ -13,7 +13,8 @@ from collections.abc import Callable
 
 import numpy as np
 
-from gpucoll.transport.engine import Recv, RecvReduce, Send
+from gpucoll.transport.engine import Peek, Put, Recv, RecvReduce, Send
+from gpucoll.transport.shm import WHOLE
 
 # below this many bytes per rank, one round of direct messages beats the ring's 2(n-1) steps
 DIRECT_BYTES = 64 << 10
@@ -40,6 +41,23 @@ class Step:
 
     def run(self, *ops) -> None:
         self.engine.run(ops, self.deadline, self.opname)
+
+    def in_place(self, peers, nbytes: int) -> bool:
+        """True when messages of ``nbytes`` to and from ``peers`` can be read in the rings."""
+        links = self.engine.links
+        return nbytes <= WHOLE and all(links[j].kind == "shm" for j in peers)
+
+    def exchange_in_place(self, x: np.ndarray, send_to, recv_from) -> dict[int, np.ndarray]:
+        """Send ``x`` to ``send_to``; return the messages of ``recv_from`` as views of the rings
+        (typed like ``x``, writable) that stay valid until ``release``."""
+        links = self.engine.links
+        peeks = {j: Peek(links[j], x.nbytes) for j in recv_from}
+        self.run(*(Put(links[j], x) for j in send_to), *peeks.values())
+        return {j: p.view.view(x.dtype) for j, p in peeks.items()}
+
+    def release(self, peers, nbytes: int) -> None:
+        for j in peers:
+            self.engine.links[j].release(nbytes)
 
 
 def bounds(count: int, parts: int) -> list[tuple[int, int]]:
@@ -75,13 +93,19 @@ def all_reduce(s: Step, x: np.ndarray, ufunc, finish: Callable | None) -> None:
 def _all_reduce_direct(s: Step, x: np.ndarray, ufunc) -> None:
     """Everyone sends x to everyone, then folds all ranks' values in rank order."""
     peers = [j for j in range(s.size) if j != s.rank]
+    if s.in_place(peers, x.nbytes):
+        views = s.exchange_in_place(x, peers, peers)
+        fold_in_rank_order(s.rank, x, views, ufunc)
+        s.release(peers, x.nbytes)
+        return
     bufs = {j: np.empty_like(x) for j in peers}
     s.run(*(s.send(j, x) for j in peers), *(s.recv(j, bufs[j]) for j in peers))
     fold_in_rank_order(s.rank, x, bufs, ufunc)
 
 
 def fold_in_rank_order(rank: int, x: np.ndarray, bufs: dict, ufunc) -> None:
-    """x := v0 op v1 op ... op v(n-1), left to right, where v(rank) is x itself."""
+    """x := v0 op v1 op ... op v(n-1), left to right, where v(rank) is x itself (``bufs`` may be
+    overwritten)."""
     order = sorted([*bufs, rank])
     if order[0] == rank:
         acc = x
@@ -120,7 +144,14 @@ def broadcast(s: Step, x: np.ndarray, root: int) -> None:
         return
     if use_direct(x.nbytes, s.size):
         if s.rank == root:
-            s.run(*(s.send(j, x) for j in range(s.size) if j != root))
+            peers = [j for j in range(s.size) if j != root]
+            if s.in_place(peers, x.nbytes):
+                s.exchange_in_place(x, peers, [])
+            else:
+                s.run(*(s.send(j, x) for j in peers))
+        elif s.in_place([root], x.nbytes):
+            np.copyto(x, s.exchange_in_place(x, [], [root])[root])
+            s.release([root], x.nbytes)
         else:
             s.run(s.recv(root, x))
         return
@@ -251,5 +282,10 @@ def barrier(s: Step) -> None:
     token, got = np.zeros(1, np.uint8), np.zeros(1, np.uint8)
     dist = 1
     while dist < s.size:
-        s.run(s.send((s.rank + dist) % s.size, token), s.recv((s.rank - dist) % s.size, got))
+        to, frm = (s.rank + dist) % s.size, (s.rank - dist) % s.size
+        if s.in_place((to, frm), 1):
+            s.exchange_in_place(token, [to], [frm])
+            s.release([frm], 1)
+        else:
+            s.run(s.send(to, token), s.recv(frm, got))
         dist *= 2

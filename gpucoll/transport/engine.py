@@ -35,6 +35,13 @@ class Op:
         self.off = 0
         self.sending = sending
 
+    def finish(self) -> None:
+        """The message is complete: let the link close it (padding, alignment)."""
+        if self.sending:
+            self.link.end_send()
+        else:
+            self.link.end_recv()
+
 
 class Send(Op):
     """Send the bytes of ``arr``; with ``gate`` only those ``gate`` has received so far."""
@@ -92,6 +99,50 @@ class RecvReduce(Op):
         return n
 
 
+class Put(Op):
+    """Send a small message to a shared-memory link in one piece."""
+
+    __slots__ = ("mv",)
+
+    def __init__(self, link, arr: np.ndarray):
+        super().__init__(link, arr.nbytes, True)
+        self.mv = memoryview(arr.view(np.uint8))
+
+    def blocked_on_gate(self) -> bool:
+        return False
+
+    def step(self) -> int:
+        if self.link.put(self.mv):
+            self.off = self.nbytes
+            return self.nbytes
+        return 0
+
+    def finish(self) -> None:
+        pass
+
+
+class Peek(Op):
+    """Wait for a small message on a shared-memory link; ``view`` then shows it in the ring
+    (read it, then ``link.release(nbytes)``)."""
+
+    __slots__ = ("view",)
+
+    def __init__(self, link, nbytes: int):
+        super().__init__(link, nbytes, False)
+        self.view = None
+
+    def step(self) -> int:
+        view = self.link.peek(self.nbytes)
+        if view is None:
+            return 0
+        self.view = view
+        self.off = self.nbytes
+        return self.nbytes
+
+    def finish(self) -> None:
+        pass
+
+
 class State:
     """What the failure monitor tells the engine: the first failure, and who closed cleanly."""
 
@@ -116,6 +167,8 @@ class Engine:
     def run(self, ops: Sequence[Op], deadline: float, opname: str) -> None:
         """Complete every op by ``deadline`` (time.monotonic) or raise naming the peer."""
         pending = [op for op in ops if op.nbytes]
+        for op in pending:
+            op.link.begin(op.sending, op.nbytes)
         idle_since = 0.0
         state = self.state
         while pending:
@@ -130,10 +183,7 @@ class Engine:
                 finished = [op for op in pending if op.off >= op.nbytes]
                 for op in finished:
                     pending.remove(op)
-                    if op.sending:
-                        op.link.end_send()
-                    else:
-                        op.link.end_recv()
+                    op.finish()
                 idle_since = 0.0
                 continue
             if state.failure is not None:

@@ -22,6 +22,7 @@ import numpy as np
 HEADER = 256
 HEAD, TX_SLEEP, TAIL, RX_SLEEP = 0, 1, 16, 17  # int64 slots of the header
 PIECE = 1 << 20  # bytes moved per step, so the peer can work on the previous piece meanwhile
+WHOLE = 64 << 10  # messages up to this size never wrap, so a receiver can read them in place
 
 
 def _align16(n: int) -> int:
@@ -45,6 +46,10 @@ def create_segment(name: str, cap: int) -> int:
         os.close(fd)
         raise
     return fd
+
+
+def _skip_wrap(pos: int, nbytes: int, cap: int) -> int:
+    return pos if pos % cap + nbytes <= cap else pos + cap - pos % cap
 
 
 class Ring:
@@ -88,7 +93,35 @@ class ShmLink:
         except OSError:  # the peer is gone; its monitor connection reports that
             pass
 
+    # -- message boundaries ----------------------------------------------------------------
+    def begin(self, sending: bool, nbytes: int) -> None:
+        """Start a message: one of at most WHOLE bytes skips to the ring's start rather than
+        wrap (both sides apply the same rule, so their positions stay in step)."""
+        if nbytes > WHOLE:
+            return
+        if sending:
+            self._head = _skip_wrap(self._head, nbytes, self.tx.cap)
+        else:
+            pos = _skip_wrap(self._pos, nbytes, self.rx.cap)
+            if pos != self._pos:
+                self._pos = pos
+                self.rx.ctl[TAIL] = pos
+
     # -- sending ---------------------------------------------------------------------------
+    def put(self, mv: memoryview) -> bool:
+        """Write a whole small message (after ``begin``) if there is room; True when written."""
+        tx = self.tx
+        head, n = self._head, len(mv)
+        if tx.cap - (head - tx.ctl[TAIL]) < n:
+            return False
+        p = head % tx.cap
+        tx.mv[p:p + n] = mv
+        tx.ctl[HEAD] = head + n
+        self._head = _align16(head + n)
+        if tx.ctl[RX_SLEEP]:
+            self._ring_peer()
+        return True
+
     def send_some(self, mv: memoryview, off: int, end: int, item: int = 16) -> int:
         """Copy what fits of ``mv[off:end]`` into the ring; bytes written."""
         tx = self.tx
@@ -147,6 +180,20 @@ class ShmLink:
         ufunc(src[first:first + count], incoming, out=acc[first:first + count])
         self._consumed(k)
         return k
+
+    def peek(self, nbytes: int) -> np.ndarray | None:
+        """The next small message (after ``begin``), in place in the ring, once complete."""
+        rx = self.rx
+        pos = self._pos
+        if rx.ctl[HEAD] - pos < nbytes:
+            return None
+        p = pos % rx.cap
+        return rx.data[p:p + nbytes]
+
+    def release(self, nbytes: int) -> None:
+        """Hand a peeked message's space back to the sender."""
+        self._consumed(nbytes)
+        self.end_recv()
 
     def can_recv(self) -> bool:
         return self.rx.ctl[HEAD] - self._pos > 0

@@ -159,6 +159,9 @@ class TcpLink:
         self._staged = have
         return n
 
+    def begin(self, sending: bool, nbytes: int) -> None:
+        """A message starts (a byte stream needs no preparation)."""
+
     def end_send(self) -> None:
         """A message ended (TCP needs no padding)."""
 
