@@ -131,3 +131,24 @@ def test_mpi_ranks_are_started_by_mpirun_and_the_others_by_the_launcher():
     ours = driver.command("gloo", 3, opts, "/tmp/ev")
     assert ours[1:5] == ["-m", "gpucoll.launch", "-n", "3"]
     assert ours[-4:] == ["--library", "gloo", "--results", "/tmp/ev"]
+
+
+def test_ctrl_c_while_following_stops_the_job(monkeypatch):
+    started = []
+
+    class Recording(subprocess.Popen):
+        def __init__(self, *a, **kw):
+            super().__init__(*a, **kw)
+            started.append(self)
+
+    def interrupt(_seconds):
+        raise KeyboardInterrupt
+
+    monkeypatch.setattr(driver.subprocess, "Popen", Recording)
+    monkeypatch.setattr(driver.time, "sleep", interrupt)
+    monkeypatch.setattr(driver, "command", lambda *a: [sys.executable, "-c",
+                                                       "import time; time.sleep(120)"])
+    console, _ = _console([])
+    with pytest.raises(KeyboardInterrupt):
+        driver.run_job("gpucoll", 2, console.opts, console)
+    assert started and started[0].poll() is not None  # ended, not left running

@@ -82,9 +82,11 @@ def run_job(library: str, nranks: int, opts: BenchOptions, console: Console) -> 
                                 stdout=sys.stderr, stdin=subprocess.DEVNULL,
                                 start_new_session=True)
         follower = Follower(results)
-        state = _follow(proc, follower, console, opts.timeout + STARTUP_S)
-        if state["stalled"]:
-            _stop(proc)
+        try:
+            state = _follow(proc, follower, console, opts.timeout + STARTUP_S)
+        finally:  # a stall, Ctrl-C or any error here: the job (its own session) must not linger
+            if proc.poll() is None:
+                _stop(proc)
         code = proc.wait()
         for line in follower.lines():
             _feed(line, console, state)
