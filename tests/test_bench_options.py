@@ -113,3 +113,11 @@ def test_rank_argv_makes_ranks_read_the_same_sweep():
     for field in BenchOptions.__dataclass_fields__:
         if field not in driver_only:
             assert getattr(again, field) == getattr(o, field), field
+
+
+def test_an_output_into_a_missing_directory_fails_before_measuring(tmp_path):
+    from gpucoll.bench.options import check_outputs
+
+    check_outputs(parse_args(["--json", str(tmp_path / "r.json")]))
+    with pytest.raises(SystemExit, match="--plot .*: no such directory"):
+        check_outputs(parse_args(["--plot", str(tmp_path / "nope" / "r.png")]))

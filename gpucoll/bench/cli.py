@@ -8,12 +8,13 @@ from __future__ import annotations
 
 import sys
 
-from gpucoll.bench.options import parse_args
+from gpucoll.bench.options import check_outputs, parse_args
 
 
 def main(argv: list[str] | None = None) -> int:
     argv = sys.argv[1:] if argv is None else list(argv)
     opts = parse_args(argv)
+    check_outputs(opts)
     from gpucoll.bench import ranks
 
     if opts.results or ranks.inside_job():

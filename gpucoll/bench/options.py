@@ -287,3 +287,15 @@ def rank_argv(opts: BenchOptions) -> list[str]:
             "--backend", opts.backend, "--transport", opts.transport, "--memory", opts.memory,
             "--timeout", str(opts.timeout)]
     return argv
+
+
+def check_outputs(opts: BenchOptions) -> None:
+    """Fail before measuring anything when a result could not be written at the end."""
+    import importlib.util
+    import os
+
+    for flag, path in (("--json", opts.json), ("--csv", opts.csv), ("--plot", opts.plot)):
+        if path and not os.path.isdir(os.path.dirname(os.path.abspath(path))):
+            raise SystemExit(f"gpucoll bench: error: {flag} {path}: no such directory")
+    if opts.plot and importlib.util.find_spec("matplotlib") is None:
+        raise SystemExit("gpucoll bench: error: --plot needs matplotlib (pip install matplotlib)")
