@@ -43,8 +43,13 @@ class GlooLibrary:
         torch.set_num_threads(1)  # one core per rank, like every other library here
         self.torch, self.dist, self.device = torch, dist, device
         self.backend = "nccl" if device else "gloo"
-        if device:
+        if device:  # one GPU per rank, as the launcher numbers them; CuPy buffers there too
+            import cupy
+
             self.name = "torch-nccl"
+            local = int(os.environ.get("LOCAL_RANK", "0")) % torch.cuda.device_count()
+            torch.cuda.set_device(local)
+            cupy.cuda.Device(local).use()
         kw = {}
         if init_method != "env://":  # env:// reads RANK and WORLD_SIZE itself
             kw = {"rank": int(os.environ["RANK"]), "world_size": int(os.environ["WORLD_SIZE"])}
