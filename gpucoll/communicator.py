@@ -198,10 +198,10 @@ class Communicator:
         ref = c.array(x, "x")
         dst = c.peer(dst, "dst")
         t = c.timeout(timeout, self.timeout)
-        self._pair_signature(c, t, ref, dst)
+        check = self._pair_signature(c, ref, dst, sending=True)
         b = self._backend
         return self._issue(c, lambda: b.send(ref, dst, timeout=t, stream=stream),
-                           None, async_op, stream)
+                           None, async_op, stream, check=check, timeout=t)
 
     def recv(self, x: Any, src: int, *, async_op: bool = False, timeout: float | None = None,
              stream: Any = None) -> Any:
@@ -210,10 +210,10 @@ class Communicator:
         ref = c.array(x, "x", writable=True)
         src = c.peer(src, "src")
         t = c.timeout(timeout, self.timeout)
-        self._pair_signature(c, t, ref, src)
+        check = self._pair_signature(c, ref, src, sending=False)
         b = self._backend
         return self._issue(c, lambda: b.recv(ref, src, timeout=t, stream=stream),
-                           x, async_op, stream, ref, x)
+                           x, async_op, stream, ref, x, check=check, timeout=t)
 
     def barrier(self, *, async_op: bool = False, timeout: float | None = None) -> Work | None:
         """Return once every rank has called barrier (and, in issue order, all earlier work)."""
@@ -298,15 +298,12 @@ class Communicator:
         return Call(name, self.rank, self.size)
 
     def _issue(self, c: Call, call: Callable[[], None], result: Any, async_op: bool,
-               stream: Any, staged: ArrayRef | None = None, target: Any = None) -> Any:
+               stream: Any, staged: ArrayRef | None = None, target: Any = None,
+               check: Callable[[float], None] | None = None, timeout: float = 0.0) -> Any:
         """Run ``call`` now (sync) or in issue order (async); copy a contiguous stand-in of a
-        strided ``target`` back into it afterwards."""
-        if staged is not None and staged.array is not target:
-            run = call
-
-            def call() -> None:
-                run()
-                write_back(staged, target)
+        strided ``target`` back into it afterwards; run a debug ``check`` first."""
+        if check is not None or (staged is not None and staged.array is not target):
+            call = _wrapped(call, check, timeout, staged, target)
         if async_op:
             return self._backend.run_async(call, stream=stream).bind(result, c.where)
         self._backend.run_sync(call)
@@ -322,11 +319,13 @@ class Communicator:
             sig["dtype"], sig["shape"] = ref.dtype.name, list(ref.shape)
         self._check.collective(seq, sig, t, c.where)
 
-    def _pair_signature(self, c: Call, t: float, ref: ArrayRef, peer: int) -> None:
-        if self._check is not None:
-            sig = {"call": c.name, "dtype": ref.dtype.name, "shape": list(ref.shape),
-                   "count": ref.count, "peer": peer}
-            self._check.point_to_point(peer, sig, t, c.where)
+    def _pair_signature(self, c: Call, ref: ArrayRef, peer: int,
+                        sending: bool) -> Callable[[float], None] | None:
+        if self._check is None:
+            return None
+        sig = {"call": c.name, "dtype": ref.dtype.name, "shape": list(ref.shape),
+               "count": ref.count, "peer": peer}
+        return self._check.point_to_point(peer, sending, sig, c.where)
 
     def _scatter_header(self, c: Call, root: int, src: ArrayRef | None, res: ArrayRef | None,
                         out: Any, t: float) -> ArrayRef:
@@ -372,6 +371,19 @@ class Communicator:
             for k in keys + [f"{key}/read"]:
                 self._store.delete_key(k)
         return values
+
+
+def _wrapped(call: Callable[[], None], check: Callable[[float], None] | None, timeout: float,
+             staged: ArrayRef | None, target: Any) -> Callable[[], None]:
+    """``call`` preceded by a debug check and followed by a write-back into ``target``."""
+    def run() -> None:
+        if check is not None:
+            check(timeout)
+        call()
+        if staged is not None and staged.array is not target:
+            write_back(staged, target)
+
+    return run
 
 
 def _prefix(prefix: str, store: Any) -> Any:

@@ -10,6 +10,7 @@ call N only after reading everything of call N-1).
 from __future__ import annotations
 
 import json
+from collections.abc import Callable
 from typing import Any
 
 from gpucoll.errors import CollectiveMismatch, CollectiveTimeout, StoreTimeout
@@ -44,7 +45,7 @@ class SignatureCheck:
 
     def __init__(self, store: Any, rank: int, size: int):
         self.store, self.rank, self.size = store, rank, size
-        self._pairs: dict[int, int] = {}  # peer -> point-to-point calls made with it
+        self._channels: dict[str, int] = {}  # "src->dst" -> messages so far
 
     def collective(self, seq: int, sig: dict[str, Any], timeout: float, where: str) -> None:
         """Raise CollectiveMismatch unless all ranks call ``sig`` as their call ``seq``."""
@@ -68,26 +69,40 @@ class SignatureCheck:
             f"rank {sigs.index(anchor)}): {detail}"
         )
 
-    def point_to_point(self, peer: int, sig: dict[str, Any], timeout: float, where: str) -> None:
-        """Raise CollectiveMismatch unless ``peer`` makes the matching send/recv call."""
-        n = self._pairs.get(peer, 0)
-        self._pairs[peer] = n + 1
-        lo, hi = sorted((self.rank, peer))
-        keys = [f"debug/p2p/{lo}-{hi}/{n}/{r}" for r in (lo, hi)]
-        mine, theirs = (0, 1) if self.rank == lo else (1, 0)
-        sigs = self._exchange(keys, mine, {**sig, "n": n}, timeout, where, ranks=(lo, hi))
-        if n >= 2:
-            self.store.delete_key(f"debug/p2p/{lo}-{hi}/{n - 2}/{self.rank}")
-        me, other = sigs[mine], sigs[theirs]
-        expected = {"send": "recv", "recv": "send"}[me["call"]]
-        if (other["call"] == expected and other.get("peer") == self.rank
-                and other["dtype"] == me["dtype"] and other["count"] == me["count"]):
-            return
-        raise CollectiveMismatch(
-            f"{where}: point-to-point call #{n} between ranks {lo} and {hi} does not match: "
-            f"rank {self.rank} called {describe(me)} with {me['count']} elements, rank {peer} "
-            f"called {describe(other)} with {other['count']} elements"
-        )
+    def point_to_point(self, peer: int, sending: bool, sig: dict[str, Any],
+                       where: str) -> Callable[[float], None]:
+        """Publish this side of a send/recv now; return the check to run just before the
+        transfer (it waits for the peer's side, so async sends never block the issuing thread).
+
+        Sends from one rank to another pair with the receiver's receives from it, in order.
+        """
+        src, dst = (self.rank, peer) if sending else (peer, self.rank)
+        channel = f"{src}->{dst}"
+        n = self._channels.get(channel, 0)
+        self._channels[channel] = n + 1
+        base = f"debug/p2p/{channel}/{n}"
+        mine, theirs = (f"{base}/send", f"{base}/recv") if sending else (f"{base}/recv",
+                                                                          f"{base}/send")
+        self.store.set(mine, json.dumps(sig))
+
+        def verify(timeout: float) -> None:
+            try:
+                other = json.loads(self.store.get(theirs, timeout=timeout))
+            except StoreTimeout:
+                raise CollectiveTimeout(
+                    f"{where}: rank {peer} did not make the {'recv' if sending else 'send'} "
+                    f"matching {describe(sig)} within {timeout:g} s (GPUCOLL_DEBUG signature "
+                    f"check)") from None
+            if self.store.add(f"{base}/read", 1) == 2:  # both sides have read: clean up
+                for key in (mine, theirs, f"{base}/read"):
+                    self.store.delete_key(key)
+            if other["dtype"] != sig["dtype"] or other["count"] != sig["count"]:
+                raise CollectiveMismatch(
+                    f"{where}: message #{n} from rank {src} to rank {dst} does not match: rank "
+                    f"{self.rank} called {describe(sig)} with {sig['count']} elements, rank "
+                    f"{peer} called {describe(other)} with {other['count']} elements")
+
+        return verify
 
     def _exchange(self, keys: list[str], index: int, sig: dict[str, Any], timeout: float,
                   where: str, ranks: tuple[int, ...] | None = None) -> list[dict[str, Any]]:
