@@ -52,6 +52,7 @@ class Communicator:
         self._scatters = 0
         self._splits = 0
         self._children: list[Communicator] = []
+        self._calls: dict[str, Call] = {}
         self._check = SignatureCheck(store, self.rank, self.size) if (
             debug_enabled() if debug is None else debug) else None
 
@@ -295,7 +296,10 @@ class Communicator:
         if self._closed:
             raise ValueError(f"{name} on rank {self.rank} of {self.size}: the communicator is "
                              f"closed")
-        return Call(name, self.rank, self.size)
+        call = self._calls.get(name)
+        if call is None:
+            call = self._calls[name] = Call(name, self.rank, self.size)
+        return call
 
     def _issue(self, c: Call, call: Callable[[], None], result: Any, async_op: bool,
                stream: Any, staged: ArrayRef | None = None, target: Any = None,

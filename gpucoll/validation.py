@@ -13,7 +13,8 @@ from typing import Any
 from gpucoll.arrays import ArrayRef, as_ref, check_dtype, empty_like
 from gpucoll.ops import ReduceOp, check_op_dtype, parse_op
 
-_OPS = {o.value: o for o in ReduceOp}  # str-enum members hash as their value: both kinds hit
+# (op as passed, dtype) -> ReduceOp, for pairs already found valid: the check is per call
+_checked: dict[tuple[Any, Any], ReduceOp] = {}
 
 
 class Call:
@@ -33,13 +34,17 @@ class Call:
 
     def op(self, op: Any, dtype) -> ReduceOp:
         """The ReduceOp for ``op``, checked against ``dtype`` (bitwise, avg and order rules)."""
-        parsed = _OPS.get(op) if isinstance(op, str) else None
         try:
-            if parsed is None:
-                parsed = parse_op(op)
+            return _checked[op, dtype]
+        except (KeyError, TypeError):  # TypeError: an unhashable op, refused below
+            pass
+        try:
+            parsed = parse_op(op)
             check_op_dtype(parsed, dtype, self.where)
         except ValueError as exc:
             raise self.fail(ValueError, str(exc)) from None
+        if isinstance(op, str):
+            _checked[op, dtype] = parsed
         return parsed
 
     def rank_arg(self, value: Any, name: str) -> int:

@@ -150,13 +150,18 @@ def write_back(ref: ArrayRef, obj: Any) -> None:
     _by_kind[ref.kind].write_back(ref, obj)
 
 
+_dtype_verdicts: dict[np.dtype, bool] = {}  # reading dtype.name costs microseconds per call
+
+
 def check_dtype(dtype: np.dtype, name: str) -> None:
     """TypeError unless collectives support ``dtype`` (native byte order, a listed type)."""
-    if dtype.name not in _SUPPORTED or not dtype.isnative:
-        raise TypeError(
-            f"{name} has unsupported dtype {dtype.str if not dtype.isnative else dtype.name}; "
-            f"expected native-endian one of: {', '.join(SUPPORTED_DTYPES)}"
-        )
+    ok = _dtype_verdicts.get(dtype)
+    if ok is None:
+        ok = _dtype_verdicts[dtype] = dtype.name in _SUPPORTED and dtype.isnative
+    if not ok:
+        shown = dtype.name if dtype.isnative else dtype.str
+        raise TypeError(f"{name} has unsupported dtype {shown}; expected native-endian one "
+                        f"of: {', '.join(SUPPORTED_DTYPES)}")
 
 
 def dtype_from_name(name: str) -> np.dtype:

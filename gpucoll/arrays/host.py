@@ -64,7 +64,7 @@ class HostAdapter(Adapter):
                     f"{arr.strides} (pass np.ascontiguousarray({name}))"
                 )
             arr = obj = np.ascontiguousarray(arr)
-        flat = arr.reshape(-1)
+        flat = arr.ravel()  # a view: arr is C-contiguous
         return ArrayRef(
             obj, "host", arr.__array_interface__["data"][0], arr.shape, arr.dtype, flat.size,
             arr.nbytes, flat,
