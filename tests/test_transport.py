@@ -114,6 +114,25 @@ def test_a_gated_send_forwards_only_what_has_arrived(pair, bell):
     np.testing.assert_array_equal(back, x)
 
 
+class _Dribbling(tcp.TcpLink):
+    """A TCP link that takes at most 5 bytes per receive, so elements arrive in parts."""
+
+    def recv_reduce(self, acc, src, ufunc, off, end):
+        return super().recv_reduce(acc, src, ufunc, off, min(end, off + 5))
+
+
+def test_a_gated_send_forwards_only_finished_elements_of_a_reduction(tcp_pair, bell):
+    a, b = tcp_pair
+    slow = _Dribbling(0, b.sock)
+    x = np.arange(3000, dtype=np.int64)
+    acc = np.zeros_like(x)
+    incoming = RecvReduce(slow, acc, np.add, src=np.full_like(x, 10))
+    back = np.zeros_like(x)
+    _engine(bell).run([Send(a, x), incoming, Send(slow, acc, gate=incoming), Recv(a, back)],
+                      _soon(10), "test")
+    np.testing.assert_array_equal(back, x + 10)
+
+
 def test_receive_with_no_sender_times_out_naming_op_and_peer(pair, bell):
     _, b = pair
     with pytest.raises(CollectiveTimeout, match=r"all_reduce on rank 0 .* receive from rank 0"):

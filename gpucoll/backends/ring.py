@@ -73,6 +73,12 @@ class RingBackend(Backend):
                 self._poison(exc)
                 raise
 
+    def _reducing(self, opname: str, timeout: float, fn: Callable, *args) -> None:
+        # overflow to inf (or NaN from inf - inf) is the IEEE answer, as on the GPU; NumPy's
+        # warning would point into this package's internals
+        with np.errstate(over="ignore", invalid="ignore"):
+            self._call(opname, timeout, fn, *args)
+
     def _check_usable(self, opname: str) -> None:
         if self._closed:
             raise GpucollError(f"{opname} on rank {self.rank}: the ring backend is closed")
@@ -104,14 +110,14 @@ class RingBackend(Backend):
 
     # -- collectives -----------------------------------------------------------------------
     def all_reduce(self, x, op, *, timeout, stream=None) -> None:
-        self._call("all_reduce", timeout, algos.all_reduce, x.host, host_ufunc(op),
+        self._reducing("all_reduce", timeout, algos.all_reduce, x.host, host_ufunc(op),
                    self._finish(op, self.size))
 
     def broadcast(self, x, root, *, timeout, stream=None) -> None:
         self._call("broadcast", timeout, algos.broadcast, x.host, root)
 
     def reduce(self, x, root, op, *, timeout, stream=None) -> None:
-        self._call("reduce", timeout, algos.reduce, x.host, root, host_ufunc(op),
+        self._reducing("reduce", timeout, algos.reduce, x.host, root, host_ufunc(op),
                    self._finish(op, self.size))
 
     def all_gather(self, x, out, *, timeout, stream=None) -> None:
@@ -124,7 +130,7 @@ class RingBackend(Backend):
         self._call("scatter", timeout, algos.scatter, _host(x), out.host, root)
 
     def reduce_scatter(self, x, out, op, *, timeout, stream=None) -> None:
-        self._call("reduce_scatter", timeout, algos.reduce_scatter, x.host, out.host,
+        self._reducing("reduce_scatter", timeout, algos.reduce_scatter, x.host, out.host,
                    host_ufunc(op), self._finish(op, self.size))
 
     def all_to_all(self, x, out, *, timeout, stream=None) -> None:

@@ -55,11 +55,13 @@ class Send(Op):
         self.gate = gate
 
     def blocked_on_gate(self) -> bool:
-        return self.gate is not None and self.gate.off - self.off < self.item \
-            and self.gate.off < self.gate.nbytes
+        gate = self.gate
+        return gate is not None and gate.off < gate.nbytes and \
+            gate.off - gate.off % self.item <= self.off
 
     def step(self) -> int:
-        end = self.nbytes if self.gate is None else self.gate.off
+        # whole elements only: a reduction holds back a partial element until it is complete
+        end = self.nbytes if self.gate is None else self.gate.off - self.gate.off % self.item
         if self.off >= end:
             return 0
         n = self.link.send_some(self.mv, self.off, end, self.item)

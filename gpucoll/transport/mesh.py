@@ -36,13 +36,13 @@ def host_identity() -> str:
 def resolve_transport(transport: str) -> str:
     """``transport="auto"`` defers to GPUCOLL_TRANSPORT; ValueError on anything unknown."""
     if transport == "auto":
-        transport = os.environ.get("GPUCOLL_TRANSPORT", "auto").strip().lower() or "auto"
+        transport = os.environ.get("GPUCOLL_TRANSPORT", "auto").strip() or "auto"
         source = "GPUCOLL_TRANSPORT"
     else:
         source = "transport"
-    if transport not in TRANSPORTS:
+    if transport.lower() not in TRANSPORTS:
         raise ValueError(f"{source}={transport!r} is not one of {', '.join(TRANSPORTS)}")
-    return transport
+    return transport.lower()
 
 
 def _store_host(store) -> str | None:
