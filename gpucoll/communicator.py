@@ -75,13 +75,10 @@ class Communicator:
 
     def reduce(self, x: Any, root: int = 0, op: Any = "sum", *, async_op: bool = False,
                timeout: float | None = None, stream: Any = None) -> Any:
-        """Combine ``x`` over all ranks into root's ``x``; returns ``x``.
-
-        Only root's result is meaningful; other ranks' ``x`` may hold partial results after.
-        """
+        """Combine ``x`` over all ranks into root's ``x``; returns ``x`` (unchanged off root)."""
         c = self._call("reduce")
-        ref = c.array(x, "x", writable=True)
         root = c.rank_arg(root, "root")
+        ref = c.array(x, "x", writable=self.rank == root)
         rop = c.op(op, ref.dtype)
         t = c.timeout(timeout, self.timeout)
         self._signature(c, t, ref, op=rop.value, root=root)

@@ -111,7 +111,14 @@ def test_debug_mode_names_a_rank_that_never_calls(store_addr):
     assert message and "rank 1 did not make call all_reduce" in message
 
 
+def _sockets() -> int:
+    fds = os.listdir("/proc/self/fd")
+    return sum(os.readlink(f"/proc/self/fd/{fd}").startswith("socket:") for fd in fds
+               if os.path.exists(f"/proc/self/fd/{fd}"))
+
+
 def _lose_a_rank(rank: int, n: int, addr: str) -> list:
+    sockets = _sockets()
     comm = gpucoll.init("ring", rank=rank, world_size=n, store=addr, timeout=30)
     x = np.ones(1 << 20, dtype=np.float32)
     try:
@@ -128,6 +135,7 @@ def _lose_a_rank(rank: int, n: int, addr: str) -> list:
         comm.close()
         leftover = [t.name for t in threading.enumerate() if t is not threading.main_thread()]
         assert leftover == [], leftover
+        assert _sockets() == sockets, "sockets left open after close()"
 
 
 def test_a_killed_rank_is_named_by_every_survivor(store_addr):
