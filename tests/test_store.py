@@ -278,3 +278,49 @@ def test_parse_address_reads_tcp_urls():
     assert parse_address("[::1]:7") == ("::1", 7)
     with pytest.raises(ValueError, match="tcp://HOST:PORT"):
         parse_address("node1")
+
+
+def test_waiters_on_the_same_keys_time_out_independently(store_server, client):
+    got = []
+    t = threading.Thread(target=lambda: got.append(client.multi_get(["s1", "s2"], timeout=20)))
+    t.start()
+    with pytest.raises(StoreTimeout, match="'s2'"):
+        store_server.wait(["s1", "s2"], timeout=0.1)
+    store_server.multi_set(["s1", "s2"], [b"1", b"2"])
+    t.join(30)
+    assert got == [[b"1", b"2"]]
+
+
+def test_wait_after_a_timed_out_wait_on_the_same_keys_still_completes(store_server, client):
+    with pytest.raises(StoreTimeout):
+        store_server.wait(["again"], timeout=0.05)
+    done = []
+    t = threading.Thread(target=lambda: done.append(client.wait(["again"], timeout=20)))
+    t.start()
+    store_server.set("again", b"1")
+    t.join(30)
+    assert done == [None]
+
+
+def test_get_and_wait_of_the_same_key_each_get_their_own_reply(store_server, client):
+    got = []
+    t1 = threading.Thread(target=lambda: got.append(("get", client.get("both", timeout=20))))
+    t2 = threading.Thread(target=lambda: got.append(("wait", client.wait(["both"], timeout=20))))
+    t1.start()
+    t2.start()
+    store_server.set("both", b"B")
+    t1.join(30)
+    t2.join(30)
+    assert sorted(got) == [("get", b"B"), ("wait", None)]
+
+
+def test_multi_get_never_returns_a_key_deleted_before_it_completes(store_server):
+    store_server.set("d1", b"1")
+    store_server.delete_key("d1")
+    with pytest.raises(StoreTimeout, match="'d1'"):
+        store_server.multi_get(["d1"], timeout=0.1)
+
+
+def test_bytes_in_a_key_list_is_a_type_error(store_server):
+    with pytest.raises(TypeError, match="bytes b'k'"):
+        store_server.check(["a", b"k"])

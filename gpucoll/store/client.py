@@ -209,7 +209,11 @@ def _key(key: str) -> bytes:
 def _keys(keys: Sequence[str], what: str) -> list[bytes]:
     if isinstance(keys, (str, bytes)):
         raise TypeError(f"{what}: keys must be a list of str, not a single {type(keys).__name__}")
-    return [_key(k) for k in keys]
+    try:
+        return [k.encode() for k in keys]
+    except AttributeError:
+        bad = next(k for k in keys if not isinstance(k, str))
+        raise TypeError(f"{what}: store keys are str, got {type(bad).__name__} {bad!r}") from None
 
 
 def _bytes(value: bytes | str, what: str) -> bytes:

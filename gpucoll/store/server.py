@@ -16,6 +16,7 @@ import os
 import resource
 import selectors
 import socket
+import struct
 import threading
 import time
 
@@ -33,7 +34,6 @@ from gpucoll.store.protocol import (
     Status,
     decode_args,
     encode,
-    unpack_timeout,
 )
 
 log = logging.getLogger("gpucoll.store")
@@ -66,14 +66,26 @@ class _Conn:
         self.waiters: set[_Waiter] = set()
 
 
+class _Watch:
+    """One list of keys that parked requests wait for, shared by every request naming the
+    same list (ranks of a job all wait for the same keys: one scan serves them all)."""
+
+    __slots__ = ("ident", "keys", "pos", "members", "live")
+
+    def __init__(self, ident: bytes, keys: list[bytes]):
+        self.ident, self.keys = ident, keys
+        self.pos = 0  # keys[:pos] were all present when last looked at
+        self.members: list[_Waiter] = []
+        self.live = 0  # members still waiting; 0 makes the watch stale
+
+
 class _Waiter:
-    """A parked get/multi_get/wait: done when every key in ``keys`` is present."""
+    """A parked get/multi_get/wait request, answered when its watch completes or expires."""
 
-    __slots__ = ("conn", "rid", "op", "keys", "pos", "deadline", "done")
+    __slots__ = ("conn", "rid", "op", "watch", "deadline", "done")
 
-    def __init__(self, conn: _Conn, rid: int, op: int, keys: list[bytes], deadline: float):
-        self.conn, self.rid, self.op, self.keys = conn, rid, op, keys
-        self.pos = 0
+    def __init__(self, conn: _Conn, rid: int, op: int, watch: _Watch, deadline: float):
+        self.conn, self.rid, self.op, self.watch = conn, rid, op, watch
         self.deadline = deadline
         self.done = False
 
@@ -86,7 +98,8 @@ class StoreServer:
         self.max_value_bytes = int(max_value_bytes)
         self._token = (token or "").encode()
         self._data: dict[bytes, bytes] = {}
-        self._parked: dict[bytes, list[_Waiter]] = {}
+        self._parked: dict[bytes, list[_Watch]] = {}  # missing key -> watches stopped at it
+        self._watches: dict[bytes, _Watch] = {}
         self._timers: list[tuple[float, int, _Waiter]] = []
         self._seq = itertools.count()
         self._conns: set[_Conn] = set()
@@ -100,8 +113,7 @@ class StoreServer:
         self._sel.register(self._listener, selectors.EVENT_READ, None)
         self._sel.register(self._wake_r, selectors.EVENT_READ, None)
         self._handlers = {
-            Op.SET: self._op_set, Op.MULTI_SET: self._op_multi_set, Op.GET: self._op_park,
-            Op.MULTI_GET: self._op_park, Op.WAIT: self._op_park, Op.ADD: self._op_add,
+            Op.SET: self._op_set, Op.MULTI_SET: self._op_multi_set, Op.ADD: self._op_add,
             Op.COMPARE_SET: self._op_compare_set, Op.CHECK: self._op_check,
             Op.DELETE: self._op_delete, Op.NUM_KEYS: self._op_num_keys,
         }
@@ -162,7 +174,10 @@ class StoreServer:
 
     def _shutdown(self) -> None:
         for conn in list(self._conns):
-            self._drop(conn)
+            try:
+                self._drop(conn)
+            finally:
+                conn.sock.close()  # whatever happened, no client may wait on this server
         self._sel.close()
         self._listener.close()
         self._wake_r.close()
@@ -187,9 +202,8 @@ class StoreServer:
         if conn.closed:
             return
         conn.closed = True
-        for w in conn.waiters:
-            w.done = True
-        conn.waiters.clear()
+        for w in list(conn.waiters):
+            self._retire(w)
         self._conns.discard(conn)
         try:
             self._sel.unregister(conn.sock)
@@ -215,6 +229,9 @@ class StoreServer:
 
     def _handle(self, conn: _Conn, frame: Frame) -> None:
         try:
+            if frame.code in _PARKED and conn.authed:
+                self._op_park(conn, frame)  # decodes only a key list it has not seen
+                return
             args = decode_args(frame)
             if not conn.authed:
                 self._hello(conn, frame, args)
@@ -301,11 +318,11 @@ class StoreServer:
 
     def _put(self, key: bytes, value: bytes) -> None:
         self._data[key] = value
-        waiters = self._parked.pop(key, None)
-        if waiters:
-            for w in waiters:
-                if not w.done:
-                    self._advance(w)
+        watches = self._parked.pop(key, None)
+        if watches:
+            for watch in watches:
+                if watch.live:
+                    self._advance(watch)
 
     def _op_set(self, conn: _Conn, frame: Frame, args: list[bytes]) -> None:
         _expect_args(frame, args, 2)
@@ -361,48 +378,86 @@ class StoreServer:
         self._reply(conn, Status.OK, frame.rid, [str(len(self._data)).encode()])
 
     # ----------------------------------------------------------------- parked requests
-    def _op_park(self, conn: _Conn, frame: Frame, args: list[bytes]) -> None:
-        if not args or (frame.code == Op.GET and len(args) != 2):
-            raise FrameError("a blocking request needs a timeout and its keys", frame.rid,
-                             fatal=False)
-        timeout = unpack_timeout(args[0])
-        w = _Waiter(conn, frame.rid, frame.code, args[1:], time.monotonic() + timeout)
-        if not self._advance(w):
-            conn.waiters.add(w)
-            heapq.heappush(self._timers, (w.deadline, next(self._seq), w))
+    def _op_park(self, conn: _Conn, frame: Frame) -> None:
+        ident, timeout = _park_request(frame)
+        watch = self._watches.get(ident)
+        fresh = watch is None
+        if fresh:
+            watch = _Watch(ident, decode_args(frame)[1:])
+        w = _Waiter(conn, frame.rid, frame.code, watch, time.monotonic() + timeout)
+        watch.members.append(w)
+        watch.live += 1
+        conn.waiters.add(w)
+        if fresh and self._advance(watch):
+            return
+        self._watches[ident] = watch
+        heapq.heappush(self._timers, (w.deadline, next(self._seq), w))
 
-    def _advance(self, w: _Waiter) -> bool:
-        """Move ``w`` past the keys now present; reply if none is missing (True), else park."""
-        data, keys = self._data, w.keys
-        i, n = w.pos, len(keys)
+    def _advance(self, watch: _Watch) -> bool:
+        """Move past the keys now present; answer every member if none is missing (True),
+        else park the watch at the first missing key."""
+        data, keys = self._data, watch.keys
+        i, n = watch.pos, len(keys)
         while True:
             while i < n and keys[i] in data:
                 i += 1
             if i < n:
-                w.pos = i
-                self._parked.setdefault(keys[i], []).append(w)
+                watch.pos = i
+                self._parked.setdefault(keys[i], []).append(watch)
                 return False
-            if w.op == Op.WAIT:
-                self._finish(w, Status.OK, [])
-                return True
             values = [data.get(k) for k in keys]
-            if None not in values:  # a key deleted since it was passed: look again
-                self._finish(w, Status.OK, values)
-                return True
+            if None not in values:  # else a key was deleted since it was passed: look again
+                break
             i = values.index(None)
+        self._watches.pop(watch.ident, None)
+        for w in watch.members:
+            if not w.done:
+                self._retire(w)
+                reply = [] if w.op == Op.WAIT else values
+                self._reply(w.conn, Status.OK, w.rid, reply)
+        watch.members.clear()
+        return True
 
-    def _finish(self, w: _Waiter, status: int, args: list[bytes]) -> None:
+    def _retire(self, w: _Waiter) -> None:
+        """``w`` no longer waits (answered, expired or disconnected)."""
         w.done = True
         w.conn.waiters.discard(w)
-        self._reply(w.conn, status, w.rid, args)
+        watch = w.watch
+        watch.live -= 1
+        if watch.live == 0 and self._watches.get(watch.ident) is watch:
+            del self._watches[watch.ident]  # nobody waits: the next request starts afresh
 
     def _expire(self, now: float) -> None:
         timers = self._timers
         while timers and (timers[0][2].done or timers[0][0] <= now):
             w = heapq.heappop(timers)[2]
             if not w.done:
-                missing = [k for k in w.keys[w.pos:] if k not in self._data]
-                self._finish(w, Status.TIMEOUT, missing)
+                self._retire(w)
+                watch = w.watch
+                missing = [k for k in watch.keys[watch.pos:] if k not in self._data]
+                self._reply(w.conn, Status.TIMEOUT, w.rid, missing)
+
+
+_PARKED = frozenset((Op.GET, Op.MULTI_GET, Op.WAIT))
+
+
+def _park_request(frame: Frame) -> tuple[bytes, float]:
+    """The identity of a parked request's key list (its bytes, without the timeout) and its
+    timeout; FrameError if the frame is not ``timeout, key...``."""
+    payload, argc = frame.payload, frame.argc
+    table = 4 * argc
+    if argc < 2 or (frame.code == Op.GET and argc != 2) or table > len(payload):
+        raise FrameError("a blocking request needs a timeout and its keys", frame.rid,
+                         fatal=False)
+    lengths = struct.unpack_from(f"<{argc}I", payload)
+    if lengths[0] != 8 or table + sum(lengths) != len(payload):
+        raise FrameError("malformed blocking request", frame.rid, fatal=False)
+    timeout = struct.unpack_from("<d", payload, table)[0]
+    if not 0.0 <= timeout <= 1e9:  # also refuses NaN
+        raise FrameError(f"timeout {timeout!r} is not a number of seconds", frame.rid,
+                         fatal=False)
+    # get, multi_get and wait of the same keys share one watch; only the replies differ
+    return bytes(payload[4:table]) + bytes(payload[table + 8:]), timeout
 
 
 def _expect_args(frame: Frame, args: list[bytes], n: int) -> None:
