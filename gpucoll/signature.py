@@ -65,8 +65,9 @@ class SignatureCheck:
         odd = [r for r, s in enumerate(sigs) if not compatible(anchor, s)]
         detail = "; ".join(f"{_ranks(rs)} called {call}" for call, rs in calls.items())
         raise CollectiveMismatch(
-            f"{where}: collective #{seq} differs across ranks ({_ranks(odd)} disagree with "
-            f"rank {sigs.index(anchor)}): {detail}"
+            f"{where}: collective #{seq} differs across ranks ({_ranks(odd)} "
+            f"{'disagrees' if len(odd) == 1 else 'disagree'} with rank {sigs.index(anchor)}): "
+            f"{detail}"
         )
 
     def point_to_point(self, peer: int, sending: bool, sig: dict[str, Any],

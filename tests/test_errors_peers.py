@@ -52,7 +52,7 @@ def test_debug_mode_names_the_ranks_that_disagree_and_their_calls(case, detail, 
     for rank, (message, after) in enumerate(results):
         assert message is not None, f"rank {rank} did not raise"
         assert f"on rank {rank} of 3" in message and "collective #0" in message
-        assert "(rank 1 disagree with rank 0)" in message
+        assert "(rank 1 disagrees with rank 0)" in message
         assert re.search(detail, message), message
         assert after == 3.0
 
