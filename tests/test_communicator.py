@@ -222,3 +222,21 @@ def test_init_accepts_a_store_object_and_leaves_it_open(store_server):
         comm.barrier()
     gpucoll.close()
     assert store_server.add("still-open", 1) == 1
+
+
+def _from_launcher_env(rank: int, n: int, addr: str) -> list:
+    import os
+
+    os.environ.update({"GPUCOLL_RANK": str(rank), "GPUCOLL_WORLD_SIZE": str(n),
+                       "GPUCOLL_LOCAL_RANK": str(rank), "GPUCOLL_LOCAL_WORLD_SIZE": str(n),
+                       "GPUCOLL_STORE": addr})
+    with gpucoll.init("ring", timeout=30) as comm:
+        total = comm.all_reduce(np.array([comm.rank + 1]))
+        result = [comm.rank, comm.size, int(total[0])]
+    gpucoll.close()
+    return result
+
+
+def test_init_without_arguments_joins_the_group_the_environment_names(store_addr):
+    assert spawn(_from_launcher_env, 3, store_addr, timeout=60) == [[0, 3, 6], [1, 3, 6],
+                                                                    [2, 3, 6]]
