@@ -145,6 +145,9 @@ class Communicator:
         root = c.rank_arg(root, "root")
         t = c.timeout(timeout, self.timeout)
         if self.rank == root:
+            if x is None:
+                raise c.fail(TypeError, f"x is None on the root; root {root} passes the "
+                                        f"({self.size}, ...) array to scatter")
             src = c.array(x, "x")
             res = c.output(out, src, c.slots(src, "x", tiled), (src,))
         else:

@@ -133,9 +133,9 @@ def get_world_size() -> int:
 def close() -> None:
     """Close the default communicator (a no-op when there is none)."""
     global _default
-    if _default is not None:
-        _default.close()
-        _default = None
+    comm, _default = _default, None
+    if comm is not None:
+        comm.close()
 
 
 def all_reduce(x: Any, op: Any = "sum", **kwargs: Any) -> Any:

@@ -72,6 +72,8 @@ class RecordingBackend(Backend):
         self.closed = True
 
 
-def recording_comm(rank: int = 0, size: int = 4, timeout: float = 5.0) -> Communicator:
-    """A communicator over a RecordingBackend (no store: not for split or debug checks)."""
-    return Communicator(RecordingBackend(rank, size), None, timeout=timeout, debug=False)
+def recording_comm(rank: int = 0, size: int = 4, timeout: float = 5.0,
+                   store=None) -> Communicator:
+    """A communicator over a RecordingBackend (without ``store``: not for split, scatter's
+    header or debug checks)."""
+    return Communicator(RecordingBackend(rank, size), store, timeout=timeout, debug=False)

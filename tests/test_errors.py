@@ -73,6 +73,8 @@ BAD_CALLS = [
      r"all_reduce on rank 1 of 4: timeout must be a number of seconds, got str"),
     ("split color not an int", lambda c: c.split("red"), TypeError,
      r"split on rank 1 of 4: color must be an int or None, got str"),
+    ("scatter root without x", lambda c: c.scatter(None, root=1), TypeError,
+     r"scatter on rank 1 of 4: x is None on the root"),
     ("non-root scatter out not an array", lambda c: c.scatter(None, root=0, out=[1]),
      TypeError, r"scatter on rank 1 of 4: out must be an array"),
 ]
