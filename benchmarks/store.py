@@ -133,7 +133,9 @@ def run_clients(impl, spec: dict) -> list[dict]:
             held.append(c)
             rec["t_conn"] = time.monotonic()
             c.set(keys[i], value)
+            rec["t_set"] = time.monotonic()
             c.wait(keys)
+            rec["t_gathered"] = time.monotonic()
             if c.add(f"{tag}/count", 1) == k:
                 c.set(f"{tag}/done", b"1")
             c.wait([f"{tag}/done"])
@@ -222,9 +224,14 @@ def rendezvous(workers: list[subprocess.Popen], port: int, k: int, tag: str,
     errors = [r["error"] for r in recs if "error" in r]
     done = [r["t_done"] - t0 for r in recs if "t_done" in r]
     conn = [r["t_conn"] - t0 for r in recs if "t_conn" in r]
+    sets = [r["t_set"] - t0 for r in recs if "t_set" in r]
+    gathered = [r["t_gathered"] - t0 for r in recs if "t_gathered" in r]
     return {"test": "rendezvous", "clients": k, "procs": len(procs),
             "wall_ms": max(done) * 1e3 if len(done) == k else None,
             "connected_ms": max(conn) * 1e3 if conn else None,
+            "last_set_ms": max(sets) * 1e3 if sets else None,
+            "first_gathered_ms": min(gathered) * 1e3 if gathered else None,
+            "last_gathered_ms": max(gathered) * 1e3 if gathered else None,
             "errors": len(errors), "first_error": errors[0] if errors else None}
 
 

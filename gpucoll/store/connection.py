@@ -8,6 +8,7 @@ one send and one receive, nothing more).
 
 from __future__ import annotations
 
+import ipaddress
 import socket
 import struct
 import threading
@@ -45,10 +46,8 @@ class Connection:
     def __init__(self, host: str, port: int, token: str | None, timeout: float):
         self.address = f"{host}:{port}"
         deadline = time.monotonic() + timeout
+        # A blocking socket with kernel-side timeouts: no poll() before every send and recv.
         self._sock = _connect(host, port, timeout, deadline)
-        self._sock.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
-        # Blocking socket with kernel-side timeouts: no poll() before every send and recv.
-        self._sock.settimeout(None)
         _set_timeo(self._sock, socket.SO_SNDTIMEO, min(max(timeout, 1.0), 60.0))
         self._rcv_timeo = 0.0
         self._reader = FrameReader(DEFAULT_MAX_VALUE_BYTES + FRAME_SLACK)
@@ -220,11 +219,39 @@ def _connect(host: str, port: int, timeout: float, deadline: float) -> socket.so
             raise StoreTimeout(f"could not connect to store at {host}:{port} within "
                                f"{timeout:g} s (last error: {last})")
         try:
-            return socket.create_connection((host, port), timeout=min(remaining, 30.0))
+            return _connect_once(host, port, min(remaining, 30.0))
         except OSError as exc:
             last = exc
         time.sleep(max(0.0, min(delay, deadline - time.monotonic())))
         delay = min(delay * 2, 0.5)
+
+
+def _connect_once(host: str, port: int, timeout: float) -> socket.socket:
+    """A blocking, connected TCP socket whose connect and sends time out in the kernel
+    (SO_SNDTIMEO), so neither needs a poll() per call."""
+    last: OSError = OSError(f"{host} resolves to no address")
+    for family, kind, proto, _, addr in _resolve(host, port):
+        sock = socket.socket(family, kind, proto)
+        try:
+            _set_timeo(sock, socket.SO_SNDTIMEO, timeout)
+            sock.connect(addr)
+            sock.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
+            return sock
+        except OSError as exc:
+            sock.close()
+            last = exc
+    raise last
+
+
+def _resolve(host: str, port: int) -> list[tuple]:
+    """getaddrinfo, skipped for IP literals (thousands of ranks connect at once)."""
+    try:
+        ip = ipaddress.ip_address(host)
+    except ValueError:
+        return socket.getaddrinfo(host, port, type=socket.SOCK_STREAM)
+    family = socket.AF_INET6 if ip.version == 6 else socket.AF_INET
+    addr = (host, port) if ip.version == 4 else (host, port, 0, 0)
+    return [(family, socket.SOCK_STREAM, socket.IPPROTO_TCP, "", addr)]
 
 
 def _text(args: list[bytes]) -> str:
