@@ -36,6 +36,8 @@ class Communicator:
     Every method is collective (all ranks of the group call it, in the same order) except
     ``send``/``recv`` (the two ranks named) and ``close``. ``timeout=`` bounds one call (default:
     the communicator's); ``stream=`` orders device work on a CUDA stream (default: current).
+    A strided ``x`` is copied to a contiguous buffer, and for the ops that write into ``x``
+    (all_reduce, reduce, broadcast, recv) the result is copied back into it.
     """
 
     def __init__(self, backend: Backend, store: Any, *, timeout: float,
