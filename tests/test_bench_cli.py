@@ -152,3 +152,16 @@ def test_ctrl_c_while_following_stops_the_job(monkeypatch):
     with pytest.raises(KeyboardInterrupt):
         driver.run_job("gpucoll", 2, console.opts, console)
     assert started and started[0].poll() is not None  # ended, not left running
+
+
+@pytest.mark.slow
+@pytest.mark.skipif(peers.available("mpi") is not None, reason="needs mpi4py and mpirun")
+def test_under_mpirun_bench_measures_gpucoll_and_mpi_in_the_same_ranks():
+    root = ["--allow-run-as-root"] if os.geteuid() == 0 else []
+    proc = subprocess.run(["mpirun", *root, "--oversubscribe", "-n", "2", sys.executable, "-m",
+                           "gpucoll.bench", "all_reduce", *TINY, "--peers", "--no-ceilings"],
+                          capture_output=True, text=True, timeout=150, stdin=subprocess.DEVNULL)
+    assert proc.returncode == 0, proc.stdout + proc.stderr
+    tables = _tables(proc.stdout)
+    assert sorted(tables) == ["gpucoll", "mpi"] and len(tables["mpi"]) == 4
+    assert "# Library gloo: not run: gloo needs torchrun's environment" in proc.stdout

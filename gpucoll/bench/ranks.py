@@ -102,8 +102,11 @@ def run_in_job(opts: BenchOptions, argv: list[str]) -> int:
 
 def _peer_in_job(name: str, opts: BenchOptions, console: Console | None) -> None:
     reason = peers.available(name)
-    if name == "mpi":
-        reason = "mpi ranks are started by mpirun: run `gpucoll bench --peer mpi` outside a job"
+    if name == "mpi" and not any(k in os.environ for k in ("OMPI_COMM_WORLD_RANK", "PMI_RANK")):
+        reason = "mpi needs ranks started by mpirun: run `gpucoll bench --peer mpi` outside a job"
+    torchrun = ("RANK", "WORLD_SIZE", "MASTER_ADDR", "MASTER_PORT")
+    if name == "gloo" and not all(k in os.environ for k in torchrun):
+        reason = "gloo needs torchrun's environment (gpucoll run or torchrun sets it)"
     if reason is not None:
         if console is not None:
             console.fail(name, int(os.environ.get("WORLD_SIZE", "0")), reason)
