@@ -3,8 +3,9 @@
 A collective step is a handful of ops (send these bytes to rank a, receive or reduce those from
 rank b). ``Engine.run`` lets every op move whatever its link accepts now, round-robin, so sends
 and receives overlap and nothing deadlocks on full buffers. With nothing to do it spins briefly,
-then yields the core, then sleeps on this rank's doorbell (an eventfd that peers, and the
-failure monitor, ring) and on its TCP sockets: waiting ranks never starve busy ones.
+then sleeps on this rank's doorbell (an eventfd that peers, and the failure monitor, ring) and
+on its TCP sockets: waiting ranks never starve busy ones. (Yielding the core instead costs a
+whole time slice as soon as any other process wants it.)
 """
 
 from __future__ import annotations
@@ -19,7 +20,6 @@ import numpy as np
 from gpucoll.errors import CollectiveTimeout, GpucollError, PeerFailure
 
 SPIN_S = 50e-6  # busy polling before yielding: peers on other cores answer within this
-YIELD_S = 200e-6  # sched_yield before sleeping on the doorbell
 NAP_MS = 2  # longest sleep between re-checks (covers a doorbell raced past)
 ROOT_CAUSE_S = 2.0  # how long a broken link waits for the monitor to learn why
 
@@ -197,9 +197,6 @@ class Engine:
             if now >= deadline:
                 raise self._timeout(pending, opname, deadline, idle)
             if idle < self.spin_s:
-                continue
-            if idle < self.spin_s + YIELD_S:
-                os.sched_yield()
                 continue
             self._sleep(pending, deadline)
 
