@@ -257,7 +257,7 @@ class Communicator:
             return None
         sub = Communicator(made[0], sub_store, timeout=self.timeout,
                            debug=self._check is not None)
-        self._children.append(sub)
+        self._children = [child for child in self._children if not child.closed] + [sub]
         return sub
 
     @property
