@@ -240,3 +240,31 @@ def _from_launcher_env(rank: int, n: int, addr: str) -> list:
 def test_init_without_arguments_joins_the_group_the_environment_names(store_addr):
     assert spawn(_from_launcher_env, 3, store_addr, timeout=60) == [[0, 3, 6], [1, 3, 6],
                                                                     [2, 3, 6]]
+
+
+def test_init_with_an_unusable_backend_raises_and_leaves_nothing_open(monkeypatch):
+    import gpucoll.default as default
+    from gpucoll.store import TCPStore
+
+    made = []
+
+    class Recorded(TCPStore):
+        def __init__(self, *args, **kwargs):
+            super().__init__(*args, **kwargs)
+            made.append(self)
+
+    monkeypatch.setattr("gpucoll.store.TCPStore", Recorded)
+    with pytest.raises(gpucoll.BackendUnavailable, match="nccl backend on rank 0"):
+        default.init("nccl", rank=0, world_size=1)
+    assert not gpucoll.is_initialized()
+    assert made and all(store._closed for store in made)
+
+
+def test_gpucoll_backend_environment_variable_stands_in_for_auto(monkeypatch):
+    from gpucoll.backends import requested_name
+
+    monkeypatch.setenv("GPUCOLL_BACKEND", "ring")
+    assert requested_name("auto") == "ring" and requested_name("nccl") == "nccl"
+    monkeypatch.setenv("GPUCOLL_BACKEND", "gloo")
+    with pytest.raises(ValueError, match="backend='gloo' is not a backend"):
+        requested_name("auto")
