@@ -287,3 +287,24 @@ def _split_in_two(rank, n, addr):
 def test_split_builds_a_working_backend_per_color(store_addr):
     results = spawn(_split_in_two, 4, store_addr, timeout=60)
     assert results == [(2, None), (4, None), (2, None), (4, None)]
+
+
+def _two_hosts(rank, n, addr):
+    import os
+
+    os.environ["GPUCOLL_HOST_ID"] = f"host{rank // 2}"  # ranks 0,1 and 2,3 pose as two hosts
+    store, b = open_backend(rank, n, addr, "auto")
+    try:
+        for coll in ("all_reduce", "broadcast", "all_to_all", "reduce_scatter"):
+            for count in COUNTS:
+                CHECKS[coll](b, rank, n, count, np.dtype("float32"))
+        return b.links
+    finally:
+        b.close()
+        store.close()
+
+
+def test_ranks_on_two_hosts_use_shm_inside_a_host_and_tcp_across(store_addr):
+    links = spawn(_two_hosts, 4, store_addr, timeout=90)
+    assert links[0] == {1: "shm", 2: "tcp", 3: "tcp"}
+    assert links[3] == {0: "tcp", 1: "tcp", 2: "shm"}

@@ -24,7 +24,12 @@ CONTROL, DATA = b"c", b"d"
 
 
 def host_identity() -> str:
-    """Same string on two ranks = same kernel, so shared memory can join them."""
+    """Same string on two ranks = same kernel, so shared memory can join them.
+
+    GPUCOLL_HOST_ID replaces it (e.g. to keep containers that share a kernel apart)."""
+    override = os.environ.get("GPUCOLL_HOST_ID")
+    if override:
+        return override
     try:
         with open("/proc/sys/kernel/random/boot_id") as f:
             boot = f.read().strip()
@@ -167,7 +172,7 @@ class Mesh:
             self.control[j] = sock
             tcp.send_all(sock, tcp.HELLO.pack(hello, self.rank, CONTROL), deadline, what)
             return
-        host = "127.0.0.1" if peer["id"] == host_identity() else peer["host"]
+        host = peer["host"]
         for channel in (CONTROL, DATA):
             sock = tcp.connect_tcp(host, peer["port"], deadline, what)
             (self.control if channel == CONTROL else data)[j] = sock
