@@ -18,6 +18,13 @@ import gpucoll
 from gpucoll.store import TCPStore
 
 
+@pytest.fixture(autouse=True)
+def _close_the_default_communicator():
+    """A test that fails half-way must not leave its default communicator to the next one."""
+    yield
+    gpucoll.close()
+
+
 def async_ops_complete_in_issue_order(comm):
     x = np.ones(5, dtype=np.int64)
     works = [comm.all_reduce(x, async_op=True) for _ in range(3)]  # x -> n, n^2, n^3
