@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import dataclasses
+import socket
 import threading
 
 import pytest
@@ -15,6 +16,7 @@ from gpucoll.rendezvous import (
     expand_hostlist,
     from_env,
 )
+from tests.multiproc import spawn
 
 
 # ----------------------------------------------------------------------------- launchers
@@ -203,8 +205,6 @@ def test_rank_0_hosts_the_store_and_rank_1_connects():
 
 
 def test_rank_1_started_first_waits_for_rank_0():
-    import socket
-
     reserved = socket.socket()
     reserved.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
     reserved.bind(("127.0.0.1", 0))
@@ -235,3 +235,45 @@ def test_running_store_is_joined_not_hosted(store_server):
         assert store_server.get("k") == b"v"
     finally:
         store.close()
+
+
+def _meet(rank: int, n: int, launcher_env: dict) -> list[bytes]:
+    """One rank: read its launcher's variables, get the store, gather every rank's key."""
+    env = {k: v.replace("{rank}", str(rank)) for k, v in launcher_env.items()}
+    rdv = from_env(env)
+    assert (rdv.rank, rdv.world_size) == (rank, n)
+    with connect_store(rdv, timeout=60) as store:
+        store.set(f"rank/{rank}", str(rank).encode())
+        values = store.multi_get([f"rank/{r}" for r in range(n)], timeout=60)
+        store.set(f"bye/{rank}", b"1")
+        if rank == 0:  # the host keeps serving until everyone has what they need
+            store.wait([f"bye/{r}" for r in range(n)], timeout=60)
+    return values
+
+
+def _reserved() -> socket.socket:
+    sock = socket.socket()
+    sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
+    sock.bind(("127.0.0.1", 0))
+    return sock
+
+
+@pytest.mark.parametrize("launcher", ["torchrun", "slurm", "openmpi", "mpich"])
+def test_ranks_meet_through_their_launchers_environment(launcher):
+    reserved = _reserved()
+    port = reserved.getsockname()[1]
+    envs = {
+        "torchrun": {"RANK": "{rank}", "WORLD_SIZE": "3", "MASTER_ADDR": "127.0.0.1",
+                     "MASTER_PORT": str(port - 1)},
+        "slurm": {"SLURM_PROCID": "{rank}", "SLURM_NTASKS": "3", "SLURM_LOCALID": "{rank}",
+                  "SLURM_TASKS_PER_NODE": "3", "SLURM_JOB_NODELIST": "127.0.0.1",
+                  "GPUCOLL_MASTER_PORT": str(port)},
+        "openmpi": {"OMPI_COMM_WORLD_RANK": "{rank}", "OMPI_COMM_WORLD_SIZE": "3",
+                    "GPUCOLL_MASTER_PORT": str(port)},
+        "mpich": {"PMI_RANK": "{rank}", "PMI_SIZE": "3", "GPUCOLL_MASTER_PORT": str(port)},
+    }
+    try:
+        results = spawn(_meet, 3, envs[launcher], timeout=90)
+    finally:
+        reserved.close()
+    assert results == [[b"0", b"1", b"2"]] * 3
