@@ -3,38 +3,75 @@
 
 A thin sweep over ``gpucoll bench`` (the package's one benchmark engine): for each rank count it
 runs float32 all_reduce (and any other ops asked for) from 8 B to 128 MiB with ``--peers``,
-prints nccl-tests' tables, writes ``OUT/collectives-<N>ranks.{json,csv,png}``, then checks the
-host ring's targets against the numbers just measured:
+``--rounds`` times (fresh processes each round; a shared machine is noisy), prints nccl-tests'
+tables, then the median over rounds of each cell side by side, writes
+``OUT/collectives-<N>ranks.{json,csv,png}`` (medians; each round's JSON beside them), and
+checks the host ring's targets against those medians:
 
   2 ranks, all_reduce float32: busbw at 32 MiB >= 5x gloo's and >= Open MPI's;
                                time at 8 B <= a tenth of gloo's
   4 ranks, all_reduce float32: faster than gloo at every size
 
-  python benchmarks/collectives.py                       # 2 and 4 ranks, results/
-  python benchmarks/collectives.py --ranks 2 --out /tmp/r -- -n 50 -w 10
+  python benchmarks/collectives.py                       # 2 and 4 ranks, 3 rounds, results/
+  python benchmarks/collectives.py --ranks 2 --rounds 1 --out /tmp/r -- -n 50 -w 10
 Everything after ``--`` goes to ``gpucoll bench`` unchanged.
 """
 
 from __future__ import annotations
 
 import argparse
+import copy
 import json
 import os
+import statistics
 import sys
 from typing import Any
 
-from gpucoll.bench import cli
+from gpucoll.bench import cli, report
+from gpucoll.bench.formulas import bandwidths
+from gpucoll.bench.plot import plot
 from gpucoll.bench.report import best_busbw, best_time
 
 TARGET_SIZE = 32 << 20
 LATENCY_SIZE = 8
 
 
-def bench_argv(ops: list[str], ranks: int, out: str, extra: list[str]) -> list[str]:
-    stem = os.path.join(out, f"collectives-{ranks}ranks")
+def bench_argv(ops: list[str], ranks: int, json_path: str, extra: list[str]) -> list[str]:
     return [*ops, "-b", "8", "-e", "128M", "-f", "2", "-d", "float", "-g", str(ranks),
-            "--peers", "--json", f"{stem}.json", "--csv", f"{stem}.csv", "--plot",
-            f"{stem}.png", *extra]
+            "--peers", "--json", json_path, *extra]
+
+
+def median_doc(docs: list[dict[str, Any]]) -> dict[str, Any]:
+    """The first round's document with each measured time replaced by its median over the
+    rounds (bandwidths recomputed from it with nccl-tests' formulas; wrong counts summed)."""
+    merged = copy.deepcopy(docs[0])
+    for run in merged["runs"]:
+        for row in run["results"]:
+            for placement in ("out_of_place", "in_place"):
+                cells = _same_cells(docs, run["library"], row, placement)
+                if row.get(placement) is None or not cells:
+                    continue
+                t = statistics.median(c["time"] for c in cells)
+                algbw, busbw = bandwidths(row["op"], row["size"], t / 1e6, run["ranks"])
+                wrong = sum(c["nwrong"] or 0 for c in cells)
+                row[placement].update(time=t, alg_bw=algbw, bus_bw=busbw, nwrong=wrong)
+    merged["rounds"] = len(docs)
+    return merged
+
+
+def _same_cells(docs: list[dict[str, Any]], library: str, row: dict[str, Any],
+                placement: str) -> list[dict[str, Any]]:
+    """The cell of ``row`` measured for ``library`` in every round that has it."""
+    key = ("op", "size", "type", "redop", "root")
+    cells = []
+    for doc in docs:
+        for run in doc["runs"]:
+            if run["library"] != library:
+                continue
+            for other in run["results"]:
+                if all(other[k] == row[k] for k in key) and other.get(placement):
+                    cells.append(other[placement])
+    return cells
 
 
 def all_reduce_by_size(doc: dict[str, Any], library: str) -> dict[int, dict[str, Any]]:
@@ -85,6 +122,19 @@ def four_rank_targets(doc: dict[str, Any]) -> list[str]:
             f"{where}: {verdict(not behind)}"]
 
 
+def write_medians(doc: dict[str, Any], stem: str, ops: list[str]) -> None:
+    """Print the medians side by side; write them as JSON, CSV and a plot."""
+    print(f"#\n# Median over {doc['rounds']} rounds")
+    for op in ops:
+        for line in report.comparison(doc["runs"], op):
+            print(line)
+    report.write_json(f"{stem}.json", doc)
+    report.write_csv(f"{stem}.csv", doc["runs"])
+    plot(f"{stem}.png", doc["runs"], doc["ceilings"],
+         title=f"gpucoll bench, median of {doc['rounds']} rounds")
+    print(f"# Wrote {stem}.json, {stem}.csv, {stem}.png", flush=True)
+
+
 def main(argv: list[str] | None = None) -> int:
     argv = sys.argv[1:] if argv is None else argv
     extra: list[str] = []
@@ -96,18 +146,24 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--ranks", default="2,4", help="rank counts to sweep (default 2,4)")
     p.add_argument("--ops", default="all_reduce", help="operations (default all_reduce)")
     p.add_argument("--out", default="results", help="folder for JSON, CSV and plots")
+    p.add_argument("--rounds", type=int, default=3, help="runs per rank count (default 3)")
     a = p.parse_args(argv)
     os.makedirs(a.out, exist_ok=True)
     status, targets = 0, []
     for ranks in (int(r) for r in a.ranks.split(",")):
-        args = bench_argv(a.ops.split(","), ranks, a.out, extra)
-        print(f"# gpucoll bench {' '.join(args)}", flush=True)
-        status |= cli.main(args)
-        with open(os.path.join(a.out, f"collectives-{ranks}ranks.json")) as f:
-            doc = json.load(f)
+        stem = os.path.join(a.out, f"collectives-{ranks}ranks")
+        docs = []
+        for r in range(1, a.rounds + 1):
+            args = bench_argv(a.ops.split(","), ranks, f"{stem}.round{r}.json", extra)
+            print(f"# round {r}/{a.rounds}: gpucoll bench {' '.join(args)}", flush=True)
+            status |= cli.main(args)
+            with open(f"{stem}.round{r}.json") as f:
+                docs.append(json.load(f))
+        doc = median_doc(docs)
+        write_medians(doc, stem, a.ops.split(","))
         found = two_rank_targets(doc) if ranks == 2 else four_rank_targets(doc)
         targets += [f"{ranks} ranks: {line}" for line in found]
-    print("#\n# Targets (float32 all_reduce SUM, in place; numbers from the runs above)")
+    print("#\n# Targets (float32 all_reduce SUM, in place; medians of the rounds above)")
     for line in targets:
         print(f"#   {line}")
     return status

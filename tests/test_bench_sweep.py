@@ -25,11 +25,11 @@ def _doc(**libs):
 
 
 def test_the_sweep_is_gpucoll_bench_with_peers_and_files_per_rank_count():
-    argv = sweep.bench_argv(["all_reduce"], 4, "out", ["-n", "5"])
+    argv = sweep.bench_argv(["all_reduce"], 4, "out/r.json", ["-n", "5"])
     opts = parse_args(argv)
     assert opts.ranks == 4 and opts.peers == ("gloo", "mpi") and opts.iters == 5
     assert (opts.minbytes, opts.maxbytes, opts.dtypes) == (8, 128 << 20, ("float",))
-    assert opts.json == "out/collectives-4ranks.json" and opts.plot.endswith(".png")
+    assert opts.json == "out/r.json"
 
 
 def test_two_rank_targets_are_judged_from_the_measured_numbers():
@@ -54,3 +54,16 @@ def test_a_peer_that_did_not_run_leaves_its_target_unjudged():
     doc = _doc(gpucoll=[_row(8, 20.0, 0.0)])
     assert sweep.two_rank_targets(doc) == []
     assert sweep.four_rank_targets(doc) == ["ahead of gloo at every size: not measured"]
+
+
+def test_rounds_merge_into_median_times_with_bandwidths_recomputed():
+    mib = 1 << 20
+    docs = [_doc(gpucoll=[_row(mib, t, 0.0)], gloo=[_row(mib, 10 * t, 0.0)])
+            for t in (100.0, 300.0, 200.0)]
+    docs[1]["runs"][0]["results"][0]["in_place"]["nwrong"] = 2
+    merged = sweep.median_doc(docs)
+    ours = merged["runs"][0]["results"][0]["in_place"]
+    assert ours["time"] == 200.0 and ours["nwrong"] == 2
+    assert ours["alg_bw"] == mib / 200e-6 / 1e9 and ours["bus_bw"] == ours["alg_bw"]  # 2 ranks
+    assert merged["runs"][1]["results"][0]["in_place"]["time"] == 2000.0
+    assert merged["rounds"] == 3
