@@ -45,7 +45,8 @@ class Step:
     def in_place(self, peers, nbytes: int) -> bool:
         """True when messages of ``nbytes`` to and from ``peers`` can be read in the rings."""
         links = self.engine.links
-        return nbytes <= WHOLE and all(links[j].kind == "shm" for j in peers)
+        return nbytes <= WHOLE and all(
+            links[j].kind == "shm" and nbytes <= links[j].whole for j in peers)
 
     def exchange_in_place(self, x: np.ndarray, send_to, recv_from) -> dict[int, np.ndarray]:
         """Send ``x`` to ``send_to``; return the messages of ``recv_from`` as views of the rings

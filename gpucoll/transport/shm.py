@@ -33,7 +33,7 @@ def ring_bytes(local_peers: int) -> int:
     """Data bytes of one ring: 4 MiB, less when many ranks share the host (all multiples of 16)."""
     env = os.environ.get("GPUCOLL_SHM_RING_BYTES")
     if env:
-        return max(_align16(int(env)), 4096)
+        return max(_align16(int(env)), 4096)  # small rings only cap the in-place size
     return max(4 << 20 >> max(local_peers - 8, 0).bit_length(), 256 << 10)
 
 
@@ -85,6 +85,8 @@ class ShmLink:
         self.bell = peer_bell
         self._head = 0  # bytes this side published into tx (aligned at message ends)
         self._pos = 0  # bytes this side consumed from rx
+        # both rings of a pair have the same size, so both ends agree on this limit
+        self.whole = min(WHOLE, tx.cap // 2, rx.cap // 2)
         self.peer_closed = False
 
     def _ring_peer(self) -> None:
@@ -97,7 +99,7 @@ class ShmLink:
     def begin(self, sending: bool, nbytes: int) -> None:
         """Start a message: one of at most WHOLE bytes skips to the ring's start rather than
         wrap (both sides apply the same rule, so their positions stay in step)."""
-        if nbytes > WHOLE:
+        if nbytes > self.whole:
             return
         if sending:
             self._head = _skip_wrap(self._head, nbytes, self.tx.cap)
