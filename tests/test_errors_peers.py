@@ -148,15 +148,20 @@ def test_a_killed_rank_is_named_by_every_survivor(store_addr):
 
 
 def _skip_a_call(rank: int, n: int, addr: str) -> str | None:
-    with gpucoll.init("ring", rank=rank, world_size=n, store=addr, timeout=30) as comm:
-        if rank == 1:
-            comm.barrier(timeout=20)  # arrives only at the second call
+    from gpucoll.store import TCPStore, parse_address
+
+    with TCPStore(*parse_address(addr), timeout=30) as store, \
+            gpucoll.init("ring", rank=rank, world_size=n, store=addr, timeout=30) as comm:
+        if rank == 1:  # makes no call until rank 0 is done
+            store.get("rank 0 is done", timeout=30)
             return None
         try:
             comm.all_reduce(np.ones(2), timeout=0.5)
+            return "no error"
         except CollectiveTimeout as exc:
             return type(exc).__name__
-    return "no error"
+        finally:
+            store.set("rank 0 is done", b"1")
 
 
 def test_a_call_nobody_joins_times_out(store_addr):
