@@ -313,3 +313,27 @@ def test_ranks_on_two_hosts_use_shm_inside_a_host_and_tcp_across(store_addr):
 def test_tiny_shared_memory_rings_still_carry_every_collective(store_addr):
     spawn(_run_collectives, 3, store_addr, "shm", "float64", timeout=100,
           env={"GPUCOLL_SHM_RING_BYTES": "4096"})
+
+
+def _reduce_in_many_chunks(rank, n, addr, transport):
+    from gpucoll.backends import ring_algos
+
+    ring_algos.CHAIN_CHUNK = 1000  # not a multiple of 16: messages need padding in the rings
+    store, b = open_backend(rank, n, addr, transport)
+    try:
+        for root in range(n):
+            _check_reduce(b, rank, n, 70_001, np.dtype("int32"))
+            b.barrier(timeout=30)
+            x = data(rank, 70_001, np.dtype("float64"))
+            b.reduce(Ref(x), root, ReduceOp.MAX, timeout=30)
+            if rank == root:
+                np.testing.assert_array_equal(x, np.max([data(r, 70_001, np.dtype("float64"))
+                                                         for r in range(n)], axis=0))
+    finally:
+        b.close()
+        store.close()
+
+
+@pytest.mark.parametrize("transport", TRANSPORTS)
+def test_reduce_chain_forwards_many_chunks_without_a_full_copy(store_addr, transport):
+    spawn(_reduce_in_many_chunks, 4, store_addr, transport, timeout=90)

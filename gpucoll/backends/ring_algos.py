@@ -18,6 +18,7 @@ from gpucoll.transport.shm import WHOLE
 
 # below this many bytes per rank, one round of direct messages beats the ring's 2(n-1) steps
 DIRECT_BYTES = 64 << 10
+CHAIN_CHUNK = 4 << 20  # bytes per round of the reduce chain (its scratch size)
 
 
 class Step:
@@ -185,19 +186,29 @@ def reduce(s: Step, x: np.ndarray, root: int, ufunc, finish: Callable | None) ->
         else:
             s.run(s.send(root, x))
     else:
-        # pipelined chain root+1 -> root+2 -> ... -> root, partial sums forwarded as they form
-        pos = (rank - root) % n
-        nxt, prv = (rank + 1) % n, (rank - 1) % n
-        if pos == 1:
-            s.run(s.send(nxt, x))
-        elif pos == 0:
-            s.run(s.reduce_from(prv, x, ufunc))
-        else:
-            acc = np.empty_like(x)
-            incoming = s.reduce_from(prv, acc, ufunc, src=x)
-            s.run(incoming, s.send(nxt, acc, gate=incoming))
+        _reduce_chain(s, x, root, ufunc)
     if finish is not None and rank == root:
         finish(x)
+
+
+def _reduce_chain(s: Step, x: np.ndarray, root: int, ufunc) -> None:
+    """Pipelined chain root+1 -> root+2 -> ... -> root: partial results are forwarded as they
+    form, chunk by chunk, so a middle rank needs one chunk of scratch, not a copy of ``x``."""
+    n, rank = s.size, s.rank
+    pos = (rank - root) % n
+    nxt, prv = (rank + 1) % n, (rank - 1) % n
+    step = max(CHAIN_CHUNK // x.itemsize, 1)
+    scratch = np.empty(min(step, x.size), x.dtype) if 1 < pos else None
+    for start in range(0, x.size, step):
+        part = x[start:start + step]
+        if pos == 1:
+            s.run(s.send(nxt, part))
+        elif pos == 0:
+            s.run(s.reduce_from(prv, part, ufunc))
+        else:
+            acc = scratch[:part.size]
+            incoming = s.reduce_from(prv, acc, ufunc, src=part)
+            s.run(incoming, s.send(nxt, acc, gate=incoming))
 
 
 # -- gathering and scattering ---------------------------------------------------------------
