@@ -187,3 +187,33 @@ def test_close_leaves_no_thread_or_descriptor_behind(store_addr, transport):
     for new_threads, new_fds in spawn(_resources_after_close, 3, store_addr, transport,
                                       timeout=30):
         assert new_threads == [] and new_fds == []
+
+
+def _close_during_a_call(rank, n, addr):
+    store, b = open_backend(rank, n, addr, "shm", timeout=LONG)
+    try:
+        if rank == 1:
+            store.get("rank0-done", timeout=LONG)
+            return None
+        outcome = []
+
+        def stuck():
+            try:
+                b.all_reduce(Ref(np.zeros(4, np.float32)), ReduceOp.SUM, timeout=LONG)
+            except GpucollError as exc:
+                outcome.append(exc)
+
+        caller = threading.Thread(target=stuck)
+        caller.start()
+        b.close()  # rank 1 never joins: close ends the call (or it starts closed) at once
+        caller.join(LONG)
+        store.set("rank0-done", "1")
+        return outcome
+    finally:
+        b.close()
+        store.close()
+
+
+def test_close_ends_a_call_stuck_in_another_thread(store_addr):
+    outcome, _ = spawn(_close_during_a_call, 2, store_addr, timeout=30)
+    assert len(outcome) == 1 and "closed" in str(outcome[0])

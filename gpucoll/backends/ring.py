@@ -27,7 +27,7 @@ from gpucoll.transport.mesh import Mesh
 from gpucoll.transport.monitor import CLOSE, Monitor, encode_abort
 from gpucoll.work import FutureWork
 
-_CLOSE_GRACE_S = 2.0  # how long close() lets queued async work finish before aborting it
+_CLOSE_GRACE_S = 2.0  # how long close() lets calls in flight finish before aborting them
 
 
 class RingBackend(Backend):
@@ -205,10 +205,16 @@ class RingBackend(Backend):
                 self.abort("closed while asynchronous work was still running")
                 self._worker.join()
             self._worker = None
-        with self._lock:
+        if not self._lock.acquire(timeout=_CLOSE_GRACE_S):
+            # another thread is inside a call: end it rather than wait for its deadline
+            self.abort("closed while a call was in progress")
+            self._lock.acquire()
+        try:
             self._monitor.broadcast(CLOSE)
             self._monitor.stop()
             self._mesh.close()
+        finally:
+            self._lock.release()
 
 
 def _host(ref) -> np.ndarray | None:
