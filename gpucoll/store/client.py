@@ -107,7 +107,7 @@ class TCPStore:
         if not isinstance(amount, int) or isinstance(amount, bool):
             raise TypeError(f"add({key!r}): amount must be an int, got "
                             f"{type(amount).__name__}")
-        args = [_key(key), str(amount).encode()]
+        args = [_key(key), b"%d" % amount]
         return int(self._call(Op.ADD, args, None, f"add({key!r})")[0])
 
     def compare_set(self, key: str, expected: bytes | str, desired: bytes | str) -> bytes:
@@ -167,8 +167,9 @@ class TCPStore:
 
     def _call(self, op: int, args: list[bytes], timeout: float | None,
               what: str) -> list[bytes]:
-        status, reply = self._conn.request(op, args, self._deadline(timeout), what)
-        if status != Status.OK:
+        deadline = time.monotonic() + (self.timeout if timeout is None else timeout)
+        status, reply = self._conn.request(op, args, deadline, what)
+        if status:
             raise StoreError(f"{what}: store at {self._conn.address} refused: "
                              f"{reply[0].decode('utf-8', 'replace') if reply else '?'}")
         return reply
@@ -201,7 +202,7 @@ def _check_timeout(timeout: float, name: str) -> None:
 
 
 def _key(key: str) -> bytes:
-    if not isinstance(key, str):
+    if type(key) is not str and not isinstance(key, str):
         raise TypeError(f"store keys are str, got {type(key).__name__} {key!r}")
     return key.encode()
 

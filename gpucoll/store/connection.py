@@ -52,7 +52,8 @@ class Connection:
         self._rcv_timeo = 0.0
         self._reader = FrameReader(DEFAULT_MAX_VALUE_BYTES + FRAME_SLACK)
         self._send_lock = threading.Lock()
-        self._cond = threading.Condition()
+        self._lock = threading.Lock()  # guards the fields below; C-level on the fast path
+        self._cond = threading.Condition(self._lock)
         self._pending: dict[int, _Slot] = {}
         self._next_rid = 1
         self._reading = False
@@ -81,8 +82,9 @@ class Connection:
                 what: str) -> tuple[int, list[bytes]]:
         """Send a request and wait for its reply until ``deadline`` (monotonic seconds)."""
         slot = _Slot()
-        with self._cond:
-            self._raise_if_broken(what)
+        with self._lock:
+            if self._error is not None:
+                self._raise_if_broken(what)
             rid = self._next_rid
             self._next_rid = rid % 0xFFFFFFFF + 1
             self._pending[rid] = slot
@@ -95,7 +97,7 @@ class Connection:
             else:
                 self._await(slot, deadline, what)
         finally:
-            with self._cond:
+            with self._lock:
                 del self._pending[rid]
                 if reader:
                     self._reading = False

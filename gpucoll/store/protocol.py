@@ -20,6 +20,7 @@ VERSION = b"gpucoll-store/1"
 HEADER = struct.Struct("<IBII")
 HEADER_SIZE = HEADER.size
 _HEADER2 = struct.Struct("<IBIIII")  # header and the lengths of two arguments
+_U32 = struct.Struct("<I")
 NO_REPLY = 0
 DEFAULT_MAX_VALUE_BYTES = 256 << 20
 # room for keys and lengths beside the largest value in one frame
@@ -87,6 +88,9 @@ def encode(code: int, rid: int, args: Sequence[bytes]) -> list[bytes]:
 def decode_args(frame: Frame) -> list[bytes]:
     """Split a frame's payload into its arguments; FrameError when lengths do not add up."""
     payload, argc = frame.payload, frame.argc
+    if argc == 1 and type(payload) is bytes and len(payload) >= 4 \
+            and _U32.unpack_from(payload)[0] == len(payload) - 4:
+        return [payload[4:]]  # most replies: one value
     table = 4 * argc
     if table > len(payload):
         raise FrameError(f"frame claims {argc} arguments in {len(payload)} bytes",
