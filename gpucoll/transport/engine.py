@@ -180,7 +180,7 @@ class Engine:
                     if op.step():
                         moved = True
             except PeerFailure as exc:
-                raise self._root_cause(exc, deadline) from None
+                raise self._in_op(self._root_cause(exc, deadline), opname) from None
             if moved:
                 finished = [op for op in pending if op.off >= op.nbytes]
                 for op in finished:
@@ -189,16 +189,16 @@ class Engine:
                 idle_since = 0.0
                 continue
             if state.failure is not None:
-                raise state.failure
+                raise self._in_op(state.failure, opname)
             now = time.monotonic()
             if not idle_since:
                 idle_since = now
             idle = now - idle_since
             if now >= deadline:
-                raise self._timeout(pending, opname, deadline, idle)
+                raise self._timeout(pending, opname)
             if idle < self.spin_s:
                 continue
-            self._sleep(pending, deadline)
+            self._sleep(pending, deadline, opname)
 
     def _root_cause(self, exc: PeerFailure, deadline: float) -> GpucollError:
         """A data link broke: let the monitor say why (the peer may have closed because a third
@@ -219,15 +219,23 @@ class Engine:
         except BlockingIOError:
             pass
 
-    def _timeout(self, pending, opname, deadline, idle) -> CollectiveTimeout:
-        op = pending[0]
+    def _in_op(self, failure: GpucollError, opname: str) -> GpucollError:
+        """The failure as this call reports it: naming the call and this rank."""
+        message = f"{opname} on rank {self.rank}: {failure}"
+        if isinstance(failure, PeerFailure):
+            return PeerFailure(message, peer=failure.peer)
+        return type(failure)(message)
+
+    def _timeout(self, pending, opname: str) -> CollectiveTimeout:
+        # blame a peer we wait to hear from before one we cannot yet send to
+        op = next((op for op in pending if not op.sending), pending[0])
         verb = "send to" if op.sending else "receive from"
         return CollectiveTimeout(
             f"{opname} on rank {self.rank} timed out: waiting to {verb} rank {op.link.peer} "
             f"({op.off} of {op.nbytes} bytes done)"
         )
 
-    def _sleep(self, pending, deadline: float) -> None:
+    def _sleep(self, pending, deadline: float, opname: str) -> None:
         """Block until a doorbell, a socket or a short nap says something may have changed."""
         pending = [op for op in pending if not (op.sending and op.blocked_on_gate())]
         shm = [op for op in pending if op.link.kind == "shm"]
@@ -236,7 +244,7 @@ class Engine:
         try:
             if any(op.link.can_send() if op.sending else op.link.can_recv() for op in shm):
                 return
-            self._check_closed(shm)
+            self._check_closed(shm, opname)
             masks: dict[int, int] = {}
             for op in pending:
                 if op.link.kind == "tcp":
@@ -256,11 +264,11 @@ class Engine:
             for op in shm:
                 op.link.sleep_flags(op.sending, not op.sending, 0)
 
-    def _check_closed(self, shm_ops) -> None:
+    def _check_closed(self, shm_ops, opname: str) -> None:
         """A peer that closed cleanly will never write to its ring again."""
         closed = self.state.closed_peers
         for op in shm_ops:
             if op.link.peer in closed:
                 raise PeerFailure(
-                    f"rank {op.link.peer} closed its communicator while rank {self.rank} "
-                    f"still expected data from it", peer=op.link.peer)
+                    f"{opname} on rank {self.rank}: rank {op.link.peer} closed its communicator "
+                    f"while this rank still expected data from it", peer=op.link.peer)
