@@ -70,7 +70,7 @@ class Communicator:
         ref = c.array(x, "x", writable=True)
         rop = c.op(op, ref.dtype)
         t = c.timeout(timeout, self.timeout)
-        self._signature(c, t, ref, op=rop.value)
+        self._signature(c, t, ref, op=rop)
         b = self._backend
         return self._issue(c, lambda: b.all_reduce(ref, rop, timeout=t, stream=stream),
                            x, async_op, stream, ref, x)
@@ -83,7 +83,7 @@ class Communicator:
         ref = c.array(x, "x", writable=self.rank == root)
         rop = c.op(op, ref.dtype)
         t = c.timeout(timeout, self.timeout)
-        self._signature(c, t, ref, op=rop.value, root=root)
+        self._signature(c, t, ref, op=rop, root=root)
         b = self._backend
         return self._issue(c, lambda: b.reduce(ref, root, rop, timeout=t, stream=stream),
                            x, async_op, stream, ref, x)
@@ -173,7 +173,7 @@ class Communicator:
         rop = c.op(op, ref.dtype)
         t = c.timeout(timeout, self.timeout)
         res = c.output(out, ref, c.slots(ref, "x", tiled), (ref,))
-        self._signature(c, t, ref, op=rop.value, tiled=tiled)
+        self._signature(c, t, ref, op=rop, tiled=tiled)
         b = self._backend
         return self._issue(c, lambda: b.reduce_scatter(ref, res, rop, timeout=t, stream=stream),
                            res.array, async_op, stream)
