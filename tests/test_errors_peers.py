@@ -66,13 +66,15 @@ def _matching_calls_in_debug_mode(rank: int, n: int, addr: str) -> list:
             comm.scatter(None, root=0)
         comm.send(np.ones(3), (rank + 1) % n, async_op=True)
         comm.recv(np.empty(3), (rank - 1) % n)
+        sub = comm.split(rank % 2)
+        out.append(float(sub.all_reduce(np.array([1.0]))[0]))
         comm.barrier()
     return out
 
 
 def test_debug_mode_passes_matching_calls(store_addr):
     assert spawn(_matching_calls_in_debug_mode, 3, store_addr, timeout=60, env=DEBUG) == \
-        [[3.0] * 5] * 3
+        [[3.0] * 5 + [2.0], [3.0] * 5 + [1.0], [3.0] * 5 + [2.0]]
 
 
 def _p2p_mismatch(rank: int, n: int, addr: str) -> str | None:
