@@ -337,3 +337,26 @@ def _reduce_in_many_chunks(rank, n, addr, transport):
 @pytest.mark.parametrize("transport", TRANSPORTS)
 def test_reduce_chain_forwards_many_chunks_without_a_full_copy(store_addr, transport):
     spawn(_reduce_in_many_chunks, 4, store_addr, transport, timeout=90)
+
+
+def _beyond_64_mib(rank, n, addr, transport):
+    store, b = open_backend(rank, n, addr, transport)
+    try:
+        count = (64 << 20) // 4 + 3
+        x = np.full(count, rank + 1, np.float32)
+        x[::7] = -rank
+        b.all_reduce(Ref(x), ReduceOp.SUM, timeout=60)
+        expected = np.full(count, n * (n + 1) / 2, np.float32)
+        expected[::7] = -n * (n - 1) / 2
+        np.testing.assert_array_equal(x, expected)
+        b.broadcast(Ref(x), n - 1, timeout=60)
+        np.testing.assert_array_equal(x, expected)
+    finally:
+        b.close()
+        store.close()
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("transport", TRANSPORTS)
+def test_arrays_beyond_64_mib_reduce_and_broadcast_exactly(store_addr, transport):
+    spawn(_beyond_64_mib, 3, store_addr, transport, timeout=100)
