@@ -275,3 +275,19 @@ def test_gpucoll_backend_environment_variable_stands_in_for_auto(monkeypatch):
     monkeypatch.setenv("GPUCOLL_BACKEND", "gloo")
     with pytest.raises(ValueError, match="backend='gloo' is not a backend"):
         requested_name("auto")
+
+
+def _torch_cpu_tensors(rank: int, n: int, addr: str) -> list:
+    import torch
+
+    with gpucoll.init("ring", rank=rank, world_size=n, store=addr, timeout=30) as comm:
+        t = torch.full((3,), float(rank + 1))
+        same = comm.all_reduce(t) is t
+        gathered = comm.all_gather(torch.tensor([rank]))
+    return [same, t.tolist(), type(gathered).__name__, gathered.tolist()]
+
+
+def test_torch_cpu_tensors_are_reduced_in_place_and_new_results_are_numpy(store_addr):
+    pytest.importorskip("torch")
+    assert spawn(_torch_cpu_tensors, 2, store_addr, timeout=90) == \
+        [[True, [3.0, 3.0, 3.0], "ndarray", [[0], [1]]]] * 2
