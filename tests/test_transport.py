@@ -242,3 +242,30 @@ def _now() -> float:
 
 def _soon(seconds: float) -> float:
     return _now() + seconds
+
+
+def test_an_unreachable_same_host_peer_is_named_with_a_way_out(store_server):
+    import json
+
+    from gpucoll.store import PrefixStore
+
+    store = PrefixStore("mesh", store_server)
+    store.set("ring/addr/0", json.dumps({
+        "host": "127.0.0.1", "port": 9, "unix": "gpucoll-test-nobody-listens",
+        "id": mesh.host_identity(), "nonce": "00" * 16}))
+    with pytest.raises(PeerFailure, match="rank 0 over its Unix socket.*GPUCOLL_HOST_ID") as info:
+        mesh.Mesh(store, 1, 2, timeout=5)
+    assert info.value.peer == 0
+
+
+def test_forced_shm_refuses_ranks_on_another_host(store_server, monkeypatch):
+    import json
+
+    from gpucoll.errors import BackendUnavailable
+    from gpucoll.store import PrefixStore
+
+    store = PrefixStore("mesh", store_server)
+    store.set("ring/addr/0", json.dumps({
+        "host": "10.0.0.1", "port": 9, "unix": "x", "id": "elsewhere/boot", "nonce": "00" * 16}))
+    with pytest.raises(BackendUnavailable, match="transport='shm' needs every rank on one host"):
+        mesh.Mesh(store, 1, 2, timeout=5, transport="shm")

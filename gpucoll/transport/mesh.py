@@ -166,6 +166,13 @@ class Mesh:
                 sock.settimeout(max(deadline - time.monotonic(), 0.001))
                 sock.connect("\0" + peer["unix"])
                 sock.settimeout(None)
+            except OSError as exc:
+                sock.close()
+                raise PeerFailure(
+                    f"ring set-up on rank {self.rank}: cannot reach rank {j} over its Unix socket "
+                    f"({exc}): it has exited, or it shares this host's name and kernel but not its "
+                    f"network namespace (then set GPUCOLL_HOST_ID per container, or "
+                    f"GPUCOLL_TRANSPORT=tcp)", peer=j) from None
             except BaseException:
                 sock.close()
                 raise
