@@ -156,7 +156,7 @@ class Communicator:
             src = None
             res = None if out is None else c.array(out, "out", writable=True, copy=False)
         self._signature(c, t, res, root=root, tiled=tiled)
-        res = self._scatter_header(c, root, src, res, out, t)
+        res = self._scatter_header(c, root, src, res, t)
         b = self._backend
         return self._issue(c, lambda: b.scatter(src, res, root, timeout=t, stream=stream),
                            res.array, async_op, stream)
@@ -334,7 +334,7 @@ class Communicator:
         return self._check.point_to_point(peer, sending, sig, c.where)
 
     def _scatter_header(self, c: Call, root: int, src: ArrayRef | None, res: ArrayRef | None,
-                        out: Any, t: float) -> ArrayRef:
+                        t: float) -> ArrayRef:
         """Root tells the other ranks the slot's dtype, shape and array kind through the
         store; they check their ``out`` against it or allocate one."""
         n = self._scatters
