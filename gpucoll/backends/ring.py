@@ -31,17 +31,20 @@ _CLOSE_GRACE_S = 2.0  # how long close() lets calls in flight finish before abor
 
 
 class RingBackend(Backend):
-    """Host collectives for ``size`` ranks; ``store`` is this group's store namespace."""
+    """Host collectives for ``size`` ranks; ``store`` is this group's store namespace.
+
+    Buffers are host NumPy views (``ArrayRef.host``); device arrays reach this backend through
+    ``gpucoll.backends.staged``, which copies them to and from host memory around each call.
+    """
 
     name = "ring"
 
     def __init__(self, store: Any, rank: int, size: int, *, timeout: float,
-                 transport: str = "auto", device_staging: Any = None):
+                 transport: str = "auto"):
         if not 0 <= rank < size:
             raise ValueError(f"rank={rank} is outside a group of size {size}")
         self.rank, self.size = rank, size
         self.timeout = timeout
-        self.device_staging = device_staging
         self._transport_arg = transport
         self._state = State()
         self._error: BaseException | None = None
@@ -181,8 +184,7 @@ class RingBackend(Backend):
     def split(self, store, rank, size, color, key, *, timeout) -> RingBackend | None:
         if color is None or rank is None:
             return None
-        return RingBackend(store, rank, size, timeout=timeout, transport=self._transport_arg,
-                           device_staging=self.device_staging)
+        return RingBackend(store, rank, size, timeout=timeout, transport=self._transport_arg)
 
     def abort(self, reason: str) -> None:
         err = GpucollError(f"rank {self.rank} aborted: {reason}")
