@@ -92,7 +92,7 @@ def run_in_job(opts: BenchOptions, argv: list[str]) -> int:
     finally:
         lib.close()
     for name in opts.peers:
-        _peer_in_job(name, opts, console)
+        _peer_in_job(name, opts, console, lib.size)
     if console is None:
         return 0
     if opts.ceilings:  # the other ranks are done: the cores are free to measure
@@ -100,7 +100,8 @@ def run_in_job(opts: BenchOptions, argv: list[str]) -> int:
     return console.close()
 
 
-def _peer_in_job(name: str, opts: BenchOptions, console: Console | None) -> None:
+def _peer_in_job(name: str, opts: BenchOptions, console: Console | None, size: int) -> None:
+    """Peer ``name``'s sweep in the job's processes, when that peer can start inside them."""
     reason = peers.available(name)
     if name == "mpi" and not any(k in os.environ for k in ("OMPI_COMM_WORLD_RANK", "PMI_RANK")):
         reason = "mpi needs ranks started by mpirun: run `gpucoll bench --peer mpi` outside a job"
@@ -109,7 +110,7 @@ def _peer_in_job(name: str, opts: BenchOptions, console: Console | None) -> None
         reason = "gloo needs torchrun's environment (gpucoll run or torchrun sets it)"
     if reason is not None:
         if console is not None:
-            console.fail(name, int(os.environ.get("WORLD_SIZE", "0")), reason)
+            console.fail(name, size, reason)
         return
     lib, mem = open_library(name, opts)
     if console is not None:
@@ -121,7 +122,7 @@ def _peer_in_job(name: str, opts: BenchOptions, console: Console | None) -> None
 
 
 def inside_job(environ: dict[str, str] | None = None) -> bool:
-    """True in a rank some launcher started (gpucoll run, torchrun, mpirun, Slurm)."""
+    """True in a rank some launcher started (gpucoll run, torchrun, mpirun, MPICH)."""
     env = os.environ if environ is None else environ
     return any(k in env for k in ("GPUCOLL_RANK", "OMPI_COMM_WORLD_RANK", "PMI_RANK")) or (
         "RANK" in env and "WORLD_SIZE" in env)
