@@ -232,6 +232,14 @@ def test_value_over_the_limit_is_refused_before_sending():
         assert len(s.get("k")) == 1024
 
 
+def test_multi_set_larger_than_one_frame_is_refused_before_sending():
+    with TCPStore("127.0.0.1", 0, is_server=True, timeout=10, max_value_bytes=1 << 20) as s:
+        with pytest.raises(ValueError, match="multi_set.*split it"):
+            s.multi_set(["a", "b"], [bytes(1 << 20), bytes(1 << 20)])
+        s.multi_set(["a"], [bytes(1 << 20)])
+        assert len(s.get("a")) == 1 << 20
+
+
 def test_non_str_key_is_a_type_error(store_server):
     with pytest.raises(TypeError, match="keys are str"):
         store_server.set(b"k", b"v")

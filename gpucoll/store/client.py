@@ -16,6 +16,7 @@ from gpucoll.errors import StoreError, StoreTimeout
 from gpucoll.store.connection import Connection
 from gpucoll.store.protocol import (
     DEFAULT_MAX_VALUE_BYTES,
+    FRAME_SLACK,
     NO_REPLY,
     Op,
     Status,
@@ -34,7 +35,8 @@ class TCPStore:
 
     ``port=0`` (server only) picks a free port, reported as ``.port``. ``token`` (default:
     GPUCOLL_STORE_TOKEN) must match the server's. ``timeout`` bounds connecting and is the
-    default deadline of every call. Safe to use from several threads at once.
+    default deadline of every call. ``max_value_bytes`` (server only) caps each value; clients
+    learn the server's cap when they connect. Safe to use from several threads at once.
     """
 
     def __init__(self, host: str, port: int, *, is_server: bool = False,
@@ -99,6 +101,10 @@ class TCPStore:
             raise ValueError(f"multi_set: {len(ks)} keys need as many values, got "
                              f"{len(values) if not isinstance(values, (str, bytes)) else 1}")
         vs = [self._value(v, "multi_set") for v in values]
+        size = sum(map(len, ks)) + sum(map(len, vs)) + 8 * len(ks)
+        if size > self._conn.max_value_bytes + FRAME_SLACK // 2:
+            raise ValueError(f"multi_set: {size} bytes in one request exceed the store's "
+                             f"limit of about {self._conn.max_value_bytes} bytes; split it")
         if ks:
             self._conn.post(encode(Op.MULTI_SET, NO_REPLY, ks + vs), "multi_set")
 

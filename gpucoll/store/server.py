@@ -14,7 +14,7 @@ import itertools
 import logging
 import os
 import resource
-import selectors
+import select
 import socket
 import struct
 import threading
@@ -52,11 +52,39 @@ def raise_fd_limit() -> int:
     return soft
 
 
+class _Poller:
+    """epoll where there is one (Linux), else poll(2): one small seam for the loop."""
+
+    def __init__(self):
+        if hasattr(select, "epoll"):
+            self._p, self._ms = select.epoll(), False
+            self.IN, self.OUT = select.EPOLLIN, select.EPOLLOUT
+            self.ERR = select.EPOLLERR | select.EPOLLHUP
+        else:
+            self._p, self._ms = select.poll(), True
+            self.IN, self.OUT = select.POLLIN, select.POLLOUT
+            self.ERR = select.POLLERR | select.POLLHUP
+        self.register, self.modify = self._p.register, self._p.modify
+        self.unregister = self._p.unregister
+
+    def poll(self, timeout: float | None) -> list[tuple[int, int]]:
+        if timeout is None:
+            return self._p.poll(None if self._ms else -1)
+        return self._p.poll(timeout * 1000 if self._ms else timeout)
+
+    def close(self) -> None:
+        close = getattr(self._p, "close", None)
+        if close is not None:
+            close()
+
+
 class _Conn:
-    __slots__ = ("sock", "peer", "reader", "out", "authed", "closing", "closed", "waiters")
+    __slots__ = ("sock", "fd", "peer", "reader", "out", "authed", "closing", "closed",
+                 "waiters")
 
     def __init__(self, sock: socket.socket, peer: str):
         self.sock = sock
+        self.fd = sock.fileno()
         self.peer = peer
         self.reader = FrameReader(HELLO_LIMIT)
         self.out: collections.deque[memoryview] = collections.deque()
@@ -102,16 +130,16 @@ class StoreServer:
         self._watches: dict[bytes, _Watch] = {}
         self._timers: list[tuple[float, int, _Waiter]] = []
         self._seq = itertools.count()
-        self._conns: set[_Conn] = set()
+        self._conns: dict[int, _Conn] = {}  # by file descriptor
         self._stop = False
         raise_fd_limit()
         self._listener = _listen(host, port)
         self.host = host
         self.port = self._listener.getsockname()[1]
         self._wake_r, self._wake_w = socket.socketpair()
-        self._sel = selectors.DefaultSelector()
-        self._sel.register(self._listener, selectors.EVENT_READ, None)
-        self._sel.register(self._wake_r, selectors.EVENT_READ, None)
+        self._poller = _Poller()
+        self._poller.register(self._listener.fileno(), self._poller.IN)
+        self._poller.register(self._wake_r.fileno(), self._poller.IN)
         self._handlers = {
             Op.SET: self._op_set, Op.MULTI_SET: self._op_multi_set, Op.ADD: self._op_add,
             Op.COMPARE_SET: self._op_compare_set, Op.CHECK: self._op_check,
@@ -141,29 +169,30 @@ class StoreServer:
     def _run(self) -> None:
         try:
             while not self._stop:
-                for key, mask in self._sel.select(self._next_timeout()):
-                    self._dispatch(key, mask)
+                for fd, events in self._poller.poll(self._next_timeout()):
+                    self._dispatch(fd, events)
                 self._expire(time.monotonic())
         except Exception:  # noqa: BLE001 - the loop must report, then stop cleanly
             log.exception("store server on port %d stopped by an internal error", self.port)
         finally:
             self._shutdown()
 
-    def _dispatch(self, key: selectors.SelectorKey, mask: int) -> None:
-        if key.fileobj is self._listener:
-            self._accept()
-        elif key.fileobj is self._wake_r:
-            self._wake_r.recv(64)
-        else:
-            conn = key.data
-            try:
-                if mask & selectors.EVENT_WRITE:
-                    self._flush(conn)
-                if mask & selectors.EVENT_READ and not conn.closed:
-                    self._on_readable(conn)
-            except Exception as exc:  # noqa: BLE001 - one client's failure stays its own
-                log.debug("dropping store client %s: %r", conn.peer, exc)
-                self._drop(conn)
+    def _dispatch(self, fd: int, events: int) -> None:
+        conn = self._conns.get(fd)
+        if conn is None:
+            if fd == self._listener.fileno():
+                self._accept()
+            elif fd == self._wake_r.fileno():
+                self._wake_r.recv(64)
+            return
+        try:
+            if events & self._poller.OUT:
+                self._flush(conn)
+            if events & (self._poller.IN | self._poller.ERR) and not conn.closed:
+                self._on_readable(conn)
+        except Exception as exc:  # noqa: BLE001 - one client's failure stays its own
+            log.debug("dropping store client %s: %r", conn.peer, exc)
+            self._drop(conn)
 
     def _next_timeout(self) -> float | None:
         while self._timers and self._timers[0][2].done:
@@ -173,12 +202,12 @@ class StoreServer:
         return max(0.0, self._timers[0][0] - time.monotonic())
 
     def _shutdown(self) -> None:
-        for conn in list(self._conns):
+        for conn in list(self._conns.values()):
             try:
                 self._drop(conn)
             finally:
                 conn.sock.close()  # whatever happened, no client may wait on this server
-        self._sel.close()
+        self._poller.close()
         self._listener.close()
         self._wake_r.close()
 
@@ -195,8 +224,8 @@ class StoreServer:
             sock.setblocking(False)
             sock.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
             conn = _Conn(sock, f"{addr[0]}:{addr[1]}")
-            self._conns.add(conn)
-            self._sel.register(sock, selectors.EVENT_READ, conn)
+            self._conns[conn.fd] = conn
+            self._poller.register(conn.fd, self._poller.IN)
 
     def _drop(self, conn: _Conn) -> None:
         if conn.closed:
@@ -204,10 +233,10 @@ class StoreServer:
         conn.closed = True
         for w in list(conn.waiters):
             self._retire(w)
-        self._conns.discard(conn)
+        self._conns.pop(conn.fd, None)
         try:
-            self._sel.unregister(conn.sock)
-        except (KeyError, ValueError):
+            self._poller.unregister(conn.fd)
+        except (KeyError, ValueError, OSError):
             pass
         conn.sock.close()
 
@@ -274,7 +303,7 @@ class StoreServer:
             conn.out.extend(memoryview(b) for b in bufs)
             return
         try:
-            sent = conn.sock.sendmsg(bufs)
+            sent = conn.sock.send(bufs[0]) if len(bufs) == 1 else conn.sock.sendmsg(bufs)
         except (BlockingIOError, InterruptedError):
             sent = 0
         except OSError:
@@ -289,7 +318,7 @@ class StoreServer:
                 continue
             conn.out.append(memoryview(b)[sent:])
             sent = 0
-        self._sel.modify(conn.sock, selectors.EVENT_READ | selectors.EVENT_WRITE, conn)
+        self._poller.modify(conn.fd, self._poller.IN | self._poller.OUT)
 
     def _flush(self, conn: _Conn) -> None:
         while conn.out:
@@ -308,7 +337,7 @@ class StoreServer:
         if conn.closing:
             self._drop(conn)
         else:
-            self._sel.modify(conn.sock, selectors.EVENT_READ, conn)
+            self._poller.modify(conn.fd, self._poller.IN)
 
     # ----------------------------------------------------------------- operations
     def _check_value(self, value: bytes, rid: int) -> None:
@@ -379,6 +408,12 @@ class StoreServer:
 
     # ----------------------------------------------------------------- parked requests
     def _op_park(self, conn: _Conn, frame: Frame) -> None:
+        if frame.argc == 2:  # get (or wait for one key) of a key already there: no parking
+            args = decode_args(frame)
+            value = self._data.get(args[1])
+            if value is not None and len(args[0]) == 8:
+                self._reply(conn, Status.OK, frame.rid, [] if frame.code == Op.WAIT else [value])
+                return
         ident, timeout = _park_request(frame)
         watch = self._watches.get(ident)
         fresh = watch is None
