@@ -124,20 +124,29 @@ def fold_in_rank_order(rank: int, x: np.ndarray, bufs: dict, ufunc) -> None:
 
 
 def _all_reduce_ring(s: Step, x: np.ndarray, ufunc, finish) -> None:
+    """Reduce-scatter then all-gather around the ring, as one pipeline: each segment is
+    forwarded piece by piece as soon as its reduction (or arrival) completes."""
     n, rank = s.size, s.rank
     nxt, prv = (rank + 1) % n, (rank - 1) % n
     seg = [x[a:b] for a, b in bounds(x.size, n)]
+    ops, arrived = [], None
     # reduce-scatter: after n-1 steps this rank holds the full reduction of segment rank+1
     for step in range(n - 1):
         out_i, in_i = (rank - step) % n, (rank - step - 1) % n
-        s.run(s.send(nxt, seg[out_i]), s.reduce_from(prv, seg[in_i], ufunc))
-    own = seg[(rank + 1) % n]
-    if finish is not None:
-        finish(own)
+        ops.append(s.send(nxt, seg[out_i], gate=arrived))
+        arrived = s.reduce_from(prv, seg[in_i], ufunc)
+        ops.append(arrived)
+    if finish is not None:  # avg: the sum must be whole before it is divided and sent on
+        s.run(*ops)
+        finish(seg[(rank + 1) % n])
+        ops, arrived = [], None
     # all-gather: pass the finished segments around the ring
     for step in range(n - 1):
         out_i, in_i = (rank + 1 - step) % n, (rank - step) % n
-        s.run(s.send(nxt, seg[out_i]), s.recv(prv, seg[in_i]))
+        ops.append(s.send(nxt, seg[out_i], gate=arrived))
+        arrived = s.recv(prv, seg[in_i])
+        ops.append(arrived)
+    s.run(*ops)
 
 
 # -- broadcast / reduce ---------------------------------------------------------------------

@@ -10,6 +10,7 @@ whole time slice as soon as any other process wants it.)
 
 from __future__ import annotations
 
+import collections
 import os
 import select
 import time
@@ -60,8 +61,11 @@ class Send(Op):
             gate.off - gate.off % self.item <= self.off
 
     def step(self) -> int:
-        # whole elements only: a reduction holds back a partial element until it is complete
-        end = self.nbytes if self.gate is None else self.gate.off - self.gate.off % self.item
+        gate = self.gate
+        if gate is None or gate.off >= gate.nbytes:
+            end = self.nbytes
+        else:  # whole elements only: a reduction holds back a partial element
+            end = gate.off - gate.off % self.item
         if self.off >= end:
             return 0
         n = self.link.send_some(self.mv, self.off, end, self.item)
@@ -167,10 +171,22 @@ class Engine:
         self.poller.register(bell, select.POLLIN)
 
     def run(self, ops: Sequence[Op], deadline: float, opname: str) -> None:
-        """Complete every op by ``deadline`` (time.monotonic) or raise naming the peer."""
-        pending = [op for op in ops if op.nbytes]
-        for op in pending:
-            op.link.begin(op.sending, op.nbytes)
+        """Complete every op by ``deadline`` (time.monotonic) or raise naming the peer.
+
+        Ops on one link in one direction are messages in that order: each starts when the one
+        before it is complete; all others progress together.
+        """
+        pending, queues = [], {}
+        for op in ops:
+            if not op.nbytes:
+                continue
+            key = (id(op.link), op.sending)
+            if key in queues:
+                queues[key].append(op)
+            else:
+                queues[key] = collections.deque()
+                op.link.begin(op.sending, op.nbytes)
+                pending.append(op)
         idle_since = 0.0
         state = self.state
         while pending:
@@ -186,6 +202,11 @@ class Engine:
                 for op in finished:
                     pending.remove(op)
                     op.finish()
+                    queue = queues[id(op.link), op.sending]
+                    if queue:
+                        following = queue.popleft()
+                        following.link.begin(following.sending, following.nbytes)
+                        pending.append(following)
                 idle_since = 0.0
                 continue
             if state.failure is not None:
