@@ -231,9 +231,14 @@ def all_gather(s: Step, x: np.ndarray, out: np.ndarray) -> None:
         peers = [j for j in range(n) if j != rank]
         s.run(*(s.send(j, x) for j in peers), *(s.recv(j, slots[j]) for j in peers))
         return
+    # ring, pipelined: each slot is forwarded piece by piece as it arrives
     nxt, prv = (rank + 1) % n, (rank - 1) % n
+    ops, arrived = [], None
     for step in range(n - 1):
-        s.run(s.send(nxt, slots[(rank - step) % n]), s.recv(prv, slots[(rank - step - 1) % n]))
+        ops.append(s.send(nxt, slots[(rank - step) % n], gate=arrived))
+        arrived = s.recv(prv, slots[(rank - step - 1) % n])
+        ops.append(arrived)
+    s.run(*ops)
 
 
 def gather(s: Step, x: np.ndarray, out: np.ndarray | None, root: int) -> None:
