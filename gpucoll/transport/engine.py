@@ -36,6 +36,10 @@ class Op:
         self.off = 0
         self.sending = sending
 
+    def ready(self) -> bool:
+        """Whether a shared-memory link could move bytes for this op now (before sleeping)."""
+        return self.link.can_send() if self.sending else self.link.can_recv()
+
     def finish(self) -> None:
         """The message is complete: let the link close it (padding, alignment)."""
         if self.sending:
@@ -116,6 +120,9 @@ class Put(Op):
 
     def blocked_on_gate(self) -> bool:
         return False
+
+    def ready(self) -> bool:
+        return self.link.can_put(self.nbytes)
 
     def step(self) -> int:
         if self.link.put(self.mv):
@@ -263,7 +270,7 @@ class Engine:
         for op in shm:
             op.link.sleep_flags(op.sending, not op.sending, 1)
         try:
-            if any(op.link.can_send() if op.sending else op.link.can_recv() for op in shm):
+            if any(op.ready() for op in shm):
                 return
             self._check_closed(shm, opname)
             masks: dict[int, int] = {}

@@ -143,6 +143,9 @@ class ShmLink:
             self._ring_peer()
         return k
 
+    def can_put(self, nbytes: int) -> bool:
+        return self.tx.cap - (self._head - self.tx.ctl[TAIL]) >= nbytes
+
     def can_send(self) -> bool:
         return self.tx.cap - (self._head - self.tx.ctl[TAIL]) > 0
 
