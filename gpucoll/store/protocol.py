@@ -85,6 +85,11 @@ def encode(code: int, rid: int, args: Sequence[bytes]) -> list[bytes]:
     return [head, *args]
 
 
+def encode_payload(args: Sequence[bytes]) -> tuple[int, bytes]:
+    """The argument count and payload of a frame, to put behind several headers."""
+    return len(args), struct.pack(f"<{len(args)}I", *map(len, args)) + b"".join(args)
+
+
 def decode_args(frame: Frame) -> list[bytes]:
     """Split a frame's payload into its arguments; FrameError when lengths do not add up."""
     payload, argc = frame.payload, frame.argc

@@ -24,6 +24,7 @@ from gpucoll.errors import StoreError
 from gpucoll.store.protocol import (
     DEFAULT_MAX_VALUE_BYTES,
     FRAME_SLACK,
+    HEADER,
     HELLO_LIMIT,
     NO_REPLY,
     VERSION,
@@ -34,6 +35,7 @@ from gpucoll.store.protocol import (
     Status,
     decode_args,
     encode,
+    encode_payload,
 )
 
 log = logging.getLogger("gpucoll.store")
@@ -298,7 +300,12 @@ class StoreServer:
                force: bool = False) -> None:
         if conn.closed or (rid == NO_REPLY and not force):
             return
-        bufs = encode(status, rid, args)
+        self._write(conn, encode(status, rid, args))
+
+    def _write(self, conn: _Conn, bufs: list[bytes]) -> None:
+        """Send now what the socket takes; queue the rest for when it is writable."""
+        if conn.closed:
+            return
         if conn.out:
             conn.out.extend(memoryview(b) for b in bufs)
             return
@@ -440,17 +447,24 @@ class StoreServer:
                 watch.pos = i
                 self._parked.setdefault(keys[i], []).append(watch)
                 return False
+            if all(w.op == Op.WAIT or w.done for w in watch.members):
+                values = []
+                break
             values = [data.get(k) for k in keys]
             if None not in values:  # else a key was deleted since it was passed: look again
                 break
             i = values.index(None)
         self._watches.pop(watch.ident, None)
-        for w in watch.members:
+        members, watch.members, watch.live = watch.members, [], 0
+        # one payload for all: many ranks waiting on the same keys is the common case
+        empty, full = encode_payload([]), (encode_payload(values) if values else None)
+        for w in members:
             if not w.done:
-                self._retire(w)
-                reply = [] if w.op == Op.WAIT else values
-                self._reply(w.conn, Status.OK, w.rid, reply)
-        watch.members.clear()
+                w.done = True
+                w.conn.waiters.discard(w)
+                argc, body = empty if w.op == Op.WAIT else full
+                head = HEADER.pack(len(body), Status.OK, w.rid, argc)
+                self._write(w.conn, [head + body] if len(body) < 65536 else [head, body])
         return True
 
     def _retire(self, w: _Waiter) -> None:
