@@ -43,13 +43,19 @@ def _survive_a_killed_peer(rank, n, addr, transport, victim):
     store, b = open_backend(rank, n, addr, transport, timeout=LONG)
     try:
         err = _loop_until_error(b, victim, rank, signal.SIGKILL)
-        started = time.monotonic()
+        threads = sorted(t.name for t in threading.enumerate() if t.name.startswith("gpucoll"))
         try:  # poisoned: the next call fails at once
             b.barrier(timeout=LONG)
             later = None
         except GpucollError as exc:
             later = exc
-        return err, later, time.monotonic() - started
+        work = b.run_async(lambda: b.barrier(timeout=LONG))
+        try:
+            work.wait(LONG)
+            async_err = None
+        except GpucollError as exc:
+            async_err = exc
+        return err, later, async_err, threads
     finally:
         b.close()
         store.close()
@@ -62,16 +68,42 @@ def test_killed_peer_makes_every_survivor_raise_peer_failure_naming_it(store_add
     assert outcomes[1].exitcode == -signal.SIGKILL
     for rank in (0, 2):
         assert outcomes[rank].ok, outcomes[rank].trace
-        err, later, _ = outcomes[rank].value
+        err, *_ = outcomes[rank].value
         assert isinstance(err, PeerFailure) and err.peer == 1, repr(err)
         assert "rank 1" in str(err)
 
 
 def test_calls_after_a_peer_failure_fail_at_once(store_addr):
     outcomes = spawn(_survive_a_killed_peer, 2, store_addr, "shm", 1, timeout=40, check=False)
-    err, later, elapsed = outcomes[0].value
+    _, later, async_err, _ = outcomes[0].value
     assert isinstance(later, PeerFailure) and later.peer == 1
     assert "barrier" in str(later)
+    assert isinstance(async_err, PeerFailure) and async_err.peer == 1
+
+
+def test_a_failure_releases_threads_and_connections_before_close(store_addr):
+    outcomes = spawn(_survive_a_killed_peer, 2, store_addr, "tcp", 1, timeout=40, check=False)
+    *_, threads = outcomes[0].value
+    assert threads == []
+
+
+def _send_to_self(rank, n, addr):
+    store, b = open_backend(rank, n, addr, "shm")
+    try:
+        try:
+            b.send(Ref(np.zeros(3, np.float32)), rank, timeout=30)
+        except ValueError as exc:
+            message = str(exc)
+        b.barrier(timeout=30)  # still usable
+        return message
+    finally:
+        b.close()
+        store.close()
+
+
+def test_sending_to_oneself_is_a_value_error_that_leaves_the_backend_usable(store_addr):
+    messages = spawn(_send_to_self, 2, store_addr, timeout=30)
+    assert "dst=0 on rank 0" in messages[0]
 
 
 def _interrupted(rank, n, addr):

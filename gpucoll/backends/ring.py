@@ -49,6 +49,7 @@ class RingBackend(Backend):
         self._state = State()
         self._error: BaseException | None = None
         self._closed = False
+        self._released = False  # connections closed (after close() or a failure)
         self._lock = threading.Lock()  # one call at a time on the links
         self._queue: queue.SimpleQueue = queue.SimpleQueue()
         self._inflight = 0
@@ -74,6 +75,7 @@ class RingBackend(Backend):
                 fn(step, *args)
             except BaseException as exc:
                 self._poison(exc)
+                self._release()
                 raise
 
     def _reducing(self, opname: str, timeout: float, fn: Callable, *args) -> None:
@@ -86,15 +88,18 @@ class RingBackend(Backend):
         if self._closed:
             raise GpucollError(f"{opname} on rank {self.rank}: the ring backend is closed")
         if self._error is None and self._state.failure is not None:
-            self._poison(self._state.failure)
+            self._fail(self._state.failure)  # a peer failed while this rank was idle
+        if self._error is not None:
+            raise self._unusable(opname)
+
+    def _unusable(self, opname: str) -> GpucollError:
         err = self._error
-        if err is not None:
-            msg = f"{opname} on rank {self.rank}: unusable after an earlier failure: {err}"
-            if isinstance(err, PeerFailure):
-                raise PeerFailure(msg, peer=err.peer)
-            if isinstance(err, CollectiveTimeout):
-                raise CollectiveTimeout(msg)
-            raise GpucollError(msg)
+        msg = f"{opname} on rank {self.rank}: unusable after an earlier failure: {err}"
+        if isinstance(err, PeerFailure):
+            return PeerFailure(msg, peer=err.peer)
+        if isinstance(err, CollectiveTimeout):
+            return CollectiveTimeout(msg)
+        return GpucollError(msg)
 
     def _poison(self, exc: BaseException) -> None:
         """Remember the first failure and tell every peer, so nobody waits for this rank."""
@@ -104,6 +109,23 @@ class RingBackend(Backend):
         culprit = exc.peer if isinstance(exc, PeerFailure) and exc.peer is not None else self.rank
         reason = f"{type(exc).__name__}: {exc}"
         self._monitor.broadcast(encode_abort(reason, culprit))
+
+    def _fail(self, exc: BaseException) -> None:
+        """Poison, and release the connections now unless a call in flight still uses them
+        (that call releases them as it fails)."""
+        self._poison(exc)
+        if self._lock.acquire(blocking=False):
+            try:
+                self._release()
+            finally:
+                self._lock.release()
+
+    def _release(self) -> None:
+        """Stop the monitor and close every link; the caller holds ``_lock``. Idempotent."""
+        if not self._released:
+            self._released = True
+            self._monitor.stop()
+            self._mesh.close()
 
     @staticmethod
     def _finish(op: ReduceOp, size: int) -> Callable | None:
@@ -140,10 +162,17 @@ class RingBackend(Backend):
         self._call("all_to_all", timeout, algos.all_to_all, x.host, out.host)
 
     def send(self, x, dst, *, timeout, stream=None) -> None:
+        self._check_peer(dst, "dst")
         self._call(f"send to rank {dst}", timeout, _p2p, dst, x.host, True)
 
     def recv(self, x, src, *, timeout, stream=None) -> None:
+        self._check_peer(src, "src")
         self._call(f"recv from rank {src}", timeout, _p2p, src, x.host, False)
+
+    def _check_peer(self, peer: int, name: str) -> None:
+        if not 0 <= peer < self.size or peer == self.rank:
+            raise ValueError(f"{name}={peer} on rank {self.rank}: expected another rank of this "
+                             f"group, 0..{self.size - 1}")
 
     def barrier(self, *, timeout) -> None:
         self._call("barrier", timeout, algos.barrier)
@@ -151,19 +180,21 @@ class RingBackend(Backend):
     # -- ordering --------------------------------------------------------------------------
     def run_async(self, call: Callable[[], None], *, stream: Any = None) -> FutureWork:
         work = FutureWork()
-        if self._closed:
-            work.fail(GpucollError(f"rank {self.rank}: the ring backend is closed"))
-            return work
-        with self._idle:
+        with self._idle:  # the worker decides to stop under this lock, so nothing is lost
+            if self._closed or self._error is not None:
+                work.fail(self._unusable("async call") if self._error is not None else
+                          GpucollError(f"rank {self.rank}: the ring backend is closed"))
+                return work
             self._inflight += 1
-        if self._worker is None:
-            self._worker = threading.Thread(target=self._work_loop, daemon=True,
-                                            name=f"gpucoll-ring-{self.rank}")
-            self._worker.start()
-        self._queue.put((work, call))
+            if self._worker is None:
+                self._worker = threading.Thread(target=self._work_loop, daemon=True,
+                                                name=f"gpucoll-ring-{self.rank}")
+                self._worker.start()
+            self._queue.put((work, call))
         return work
 
     def _work_loop(self) -> None:
+        """Run queued calls in order; after a failure, fail what is queued and stop."""
         while True:
             item = self._queue.get()
             if item is None:
@@ -172,7 +203,21 @@ class RingBackend(Backend):
             work.run(call)
             with self._idle:
                 self._inflight -= 1
+                if self._error is not None:
+                    self._fail_queued()
+                    self._idle.notify_all()
+                    return
                 self._idle.notify_all()
+
+    def _fail_queued(self) -> None:
+        while True:
+            try:
+                item = self._queue.get_nowait()
+            except queue.Empty:
+                return
+            if item is not None:
+                item[0].fail(self._unusable("async call"))
+                self._inflight -= 1
 
     def run_sync(self, call: Callable[[], None]) -> None:
         if self._inflight:
@@ -188,13 +233,13 @@ class RingBackend(Backend):
 
     def abort(self, reason: str) -> None:
         err = GpucollError(f"rank {self.rank} aborted: {reason}")
-        self._poison(err)
         if self._state.failure is None:
             self._state.failure = err
-        try:
+        try:  # wake a call blocked in the engine; -1 once released
             os.eventfd_write(self._mesh.bell, 1)
-        except (OSError, ValueError):
+        except OSError:
             pass
+        self._fail(err)
 
     def close(self) -> None:
         if self._closed:
@@ -206,15 +251,14 @@ class RingBackend(Backend):
             if self._worker.is_alive():
                 self.abort("closed while asynchronous work was still running")
                 self._worker.join()
-            self._worker = None
         if not self._lock.acquire(timeout=_CLOSE_GRACE_S):
             # another thread is inside a call: end it rather than wait for its deadline
             self.abort("closed while a call was in progress")
             self._lock.acquire()
         try:
-            self._monitor.broadcast(CLOSE)
-            self._monitor.stop()
-            self._mesh.close()
+            if not self._released:
+                self._monitor.broadcast(CLOSE)
+            self._release()
         finally:
             self._lock.release()
 
@@ -224,6 +268,4 @@ def _host(ref) -> np.ndarray | None:
 
 
 def _p2p(s: algos.Step, peer: int, arr: np.ndarray, sending: bool) -> None:
-    if peer == s.rank:
-        raise ValueError(f"rank {s.rank} cannot send to or receive from itself")
     s.run(s.send(peer, arr) if sending else s.recv(peer, arr))
