@@ -2,10 +2,10 @@
 
 A collective step is a handful of ops (send these bytes to rank a, receive or reduce those from
 rank b). ``Engine.run`` lets every op move whatever its link accepts now, round-robin, so sends
-and receives overlap and nothing deadlocks on full buffers. With nothing to do it spins briefly,
-then sleeps on this rank's doorbell (an eventfd that peers, and the failure monitor, ring) and
-on its TCP sockets: waiting ranks never starve busy ones. (Yielding the core instead costs a
-whole time slice as soon as any other process wants it.)
+and receives overlap and nothing deadlocks on full buffers. With nothing to do it spins briefly
+(yielding the core for a moment too when ranks outnumber cores), then sleeps on this rank's
+doorbell (an eventfd that peers, and the failure monitor, ring) and on its TCP sockets: waiting
+ranks never starve busy ones. (Yielding for long costs whole time slices on a busy machine.)
 """
 
 from __future__ import annotations
@@ -21,6 +21,7 @@ import numpy as np
 from gpucoll.errors import CollectiveTimeout, GpucollError, PeerFailure
 
 SPIN_S = 50e-6  # busy polling before yielding: peers on other cores answer within this
+YIELD_S = 25e-6  # then sched_yield, only when ranks outnumber cores
 NAP_MS = 2  # longest sleep between re-checks (covers a doorbell raced past)
 ROOT_CAUSE_S = 2.0  # how long a broken link waits for the monitor to learn why
 
@@ -174,6 +175,9 @@ class Engine:
         self.bell = bell
         self.state = state
         self.spin_s = 5e-6 if oversubscribed else SPIN_S
+        # with more ranks than cores, a short yield hands the core to the peer we wait for;
+        # longer would give whole time slices to unrelated processes on a busy machine
+        self.yield_s = self.spin_s + YIELD_S if oversubscribed else 0.0
         self.poller = select.poll()
         self.poller.register(bell, select.POLLIN)
 
@@ -225,6 +229,9 @@ class Engine:
             if now >= deadline:
                 raise self._timeout(pending, opname)
             if idle < self.spin_s:
+                continue
+            if idle < self.yield_s:
+                os.sched_yield()
                 continue
             self._sleep(pending, deadline, opname)
 
