@@ -27,7 +27,7 @@ DEFAULT_MAX_VALUE_BYTES = 256 << 20
 FRAME_SLACK = 1 << 20
 # before the token is checked a peer may send only this much (a hello is tiny)
 HELLO_LIMIT = 64 << 10
-_RECV_CHUNK = 256 << 10
+_RECV_CHUNK = 64 << 10  # recv(n) allocates n bytes first: larger costs more than it saves
 # payloads at least this large are read straight into their own buffer, without copies
 _BIG_PAYLOAD = 1 << 20
 # arguments joined into one buffer below this total; above it they are sent as a list
