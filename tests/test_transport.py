@@ -203,7 +203,15 @@ def test_monitor_blames_the_culprit_an_abort_names(control):
     peer_end.sendall(message[:3])  # split messages are reassembled
     peer_end.sendall(message[3:])
     _wait_for(lambda: state.failure is not None, bell)
-    assert state.failure.peer == 2 and "rank 1 aborted: rank 2 died" in str(state.failure)
+    assert state.failure.peer == 2 and "rank 2 failed (reported by rank 1)" in str(state.failure)
+
+
+def test_monitor_reports_a_peer_that_aborted_on_its_own(control):
+    mon, state, peer_end, bell = control
+    peer_end.sendall(encode_abort("CollectiveTimeout: barrier timed out", culprit=1))
+    _wait_for(lambda: state.failure is not None, bell)
+    assert state.failure.peer == 1
+    assert "rank 1 aborted: CollectiveTimeout: barrier timed out" in str(state.failure)
 
 
 def test_transport_comes_from_the_environment_when_auto(monkeypatch):

@@ -87,7 +87,10 @@ class Monitor:
                 if len(buf) < head + n:
                     break
                 reason = buf[head:head + n].decode("utf-8", "replace")
-                self._fail(culprit, f"rank {peer} aborted: {reason}")
+                if culprit == peer:
+                    self._fail(peer, f"rank {peer} aborted: {reason}")
+                else:  # the peer gave up because of another rank: blame that one
+                    self._fail(culprit, f"rank {culprit} failed (reported by rank {peer})")
                 buf = buf[head + n:]
             else:
                 self._fail(peer, f"rank {peer} sent an unexpected control message {buf[:8]!r}")
@@ -97,7 +100,7 @@ class Monitor:
 
     def _fail(self, peer: int, message: str) -> None:
         if self.state.failure is None:
-            self.state.failure = PeerFailure(f"{message} (noticed by rank {self.rank})", peer=peer)
+            self.state.failure = PeerFailure(message, peer=peer)
         self._wake()
 
     def _wake(self) -> None:
