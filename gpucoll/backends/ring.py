@@ -220,7 +220,7 @@ class RingBackend(Backend):
                 self._inflight -= 1
 
     def run_sync(self, call: Callable[[], None]) -> None:
-        if self._inflight:
+        if self._inflight and threading.current_thread() is not self._worker:
             with self._idle:
                 self._idle.wait_for(lambda: self._inflight == 0)
         call()
