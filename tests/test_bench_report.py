@@ -180,3 +180,11 @@ def test_a_wrong_result_makes_the_run_fail(tmp_path):
     console = _console(tmp_path, [])
     _run(console, "gpucoll", [_result(ip=(6.5, 0.16, 0.16, 3))])
     assert console.close() == 1
+
+
+def test_each_table_ends_with_its_peak_beside_the_host_copy_ceiling():
+    results = [_result(8, ip=(6.0, 0.0, 0.0, 0)), _result(1 << 20, ip=(100.0, 10.5, 10.5, 0))]
+    line = report.peak_line(results, [{"name": "host memcpy", "GBps": 21.0}])
+    assert line == ("# Peak busbw: 10.50 GB/s at 1 MiB, 50% of the host memcpy ceiling "
+                    "(21.00 GB/s)")
+    assert report.peak_line(results, []) is None

@@ -124,11 +124,15 @@ def table_footer(results: list[Result]) -> list[str]:
             "#"]
 
 
-def table(run: dict[str, Any], op: str) -> list[str]:
-    """A whole nccl-tests table of one library's results for one operation."""
-    results = [Result.from_json(d) for d in run["results"] if d["op"] == op]
-    return ([f"# Collective test starting: {op} ({run['library']})"] + table_head()
-            + [table_row(r) for r in results] + table_footer(results))
+def peak_line(results: list[Result], ceilings: list[dict[str, Any]]) -> str | None:
+    """The best busbw of a table beside the host copy ceiling (None without either)."""
+    cells = [(m.busbw, r.size) for r in results for m in (r.out_of_place, r.in_place) if m]
+    host = next((c["GBps"] for c in ceilings if c["name"] == "host memcpy"), None)
+    if not cells or not host:
+        return None
+    busbw, size = max(cells)
+    return (f"# Peak busbw: {busbw:.2f} GB/s at {human_size(size)}, {100 * busbw / host:.0f}% "
+            f"of the host memcpy ceiling ({host:.2f} GB/s)")
 
 
 def best_busbw(r: dict[str, Any]) -> float | None:

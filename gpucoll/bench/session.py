@@ -118,6 +118,9 @@ class Console:
     def _close_table(self) -> None:
         if self._op is not None:
             self.print(*report.table_footer(self._results))
+            peak = report.peak_line(self._results, self.doc["ceilings"])
+            if peak:
+                self.print(peak)
             summary = report.summary(self._results)
             self.runs[-1].setdefault("summary", {})[self._op] = summary
         self._op, self._results = None, []
