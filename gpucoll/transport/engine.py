@@ -189,51 +189,50 @@ class Engine:
         """
         pending, queues = [], {}
         for op in ops:
-            if not op.nbytes:
-                continue
-            key = (id(op.link), op.sending)
-            if key in queues:
-                queues[key].append(op)
-            else:
-                queues[key] = collections.deque()
-                op.link.begin(op.sending, op.nbytes)
-                pending.append(op)
+            if op.nbytes:
+                queue = queues.setdefault((id(op.link), op.sending), collections.deque())
+                queue.append(op)
+        for queue in queues.values():
+            self._start_next(queue, pending)
         idle_since = 0.0
-        state = self.state
         while pending:
-            moved = False
             try:
-                for op in pending:
-                    if op.step():
-                        moved = True
+                moved = [op for op in pending if op.step()]
             except PeerFailure as exc:
                 raise self._in_op(self._root_cause(exc, deadline), opname) from None
             if moved:
-                finished = [op for op in pending if op.off >= op.nbytes]
-                for op in finished:
+                for op in [op for op in pending if op.off >= op.nbytes]:
                     pending.remove(op)
                     op.finish()
-                    queue = queues[id(op.link), op.sending]
-                    if queue:
-                        following = queue.popleft()
-                        following.link.begin(following.sending, following.nbytes)
-                        pending.append(following)
+                    self._start_next(queues[id(op.link), op.sending], pending)
                 idle_since = 0.0
                 continue
-            if state.failure is not None:
-                raise self._in_op(state.failure, opname)
-            now = time.monotonic()
-            if not idle_since:
-                idle_since = now
-            idle = now - idle_since
-            if now >= deadline:
-                raise self._timeout(pending, opname)
-            if idle < self.spin_s:
-                continue
-            if idle < self.yield_s:
-                os.sched_yield()
-                continue
+            idle_since = self._idle(pending, idle_since, deadline, opname)
+
+    @staticmethod
+    def _start_next(queue: collections.deque, pending: list) -> None:
+        if queue:
+            op = queue.popleft()
+            op.link.begin(op.sending, op.nbytes)
+            pending.append(op)
+
+    def _idle(self, pending, idle_since: float, deadline: float, opname: str) -> float:
+        """Nothing moved: fail, time out, spin, yield or sleep; returns when idleness began."""
+        if self.state.failure is not None:
+            raise self._in_op(self.state.failure, opname)
+        now = time.monotonic()
+        if now >= deadline:
+            raise self._timeout(pending, opname)
+        if not idle_since:
+            return now
+        idle = now - idle_since
+        if idle < self.spin_s:
+            pass
+        elif idle < self.yield_s:
+            os.sched_yield()
+        else:
             self._sleep(pending, deadline, opname)
+        return idle_since
 
     def _root_cause(self, exc: PeerFailure, deadline: float) -> GpucollError:
         """A data link broke: let the monitor say why (the peer may have closed because a third
