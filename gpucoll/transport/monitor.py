@@ -15,7 +15,7 @@ import socket
 import struct
 import threading
 
-from gpucoll.errors import PeerFailure
+from gpucoll.errors import GpucollError, PeerFailure
 from gpucoll.transport.engine import State
 
 CLOSE, ABORT = b"C", b"A"
@@ -38,9 +38,18 @@ class Monitor:
         self.state = state
         self._buffers = {peer: b"" for peer in control}
         self._stop_r, self._stop_w = os.pipe()
-        self._thread = threading.Thread(target=self._loop, name=f"gpucoll-monitor-{rank}",
+        self._thread = threading.Thread(target=self._run, name=f"gpucoll-monitor-{rank}",
                                         daemon=True)
         self._thread.start()
+
+    def _run(self) -> None:
+        try:
+            self._loop()
+        except Exception as exc:  # noqa: BLE001 - without the monitor, failures would go unseen
+            if self.state.failure is None:
+                self.state.failure = GpucollError(f"rank {self.rank}'s peer monitor stopped: "
+                                                  f"{type(exc).__name__}: {exc}")
+            self._wake()
 
     def _loop(self) -> None:
         poller = select.poll()
