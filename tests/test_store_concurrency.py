@@ -197,3 +197,46 @@ def test_client_killed_mid_frame_does_not_disturb_the_server(store_server):
     store_server.set("k", b"v")
     with TCPStore("127.0.0.1", store_server.port, timeout=10) as c:
         assert c.get("k") == b"v"
+
+
+_FD_LIMITED_SERVER = """
+import resource, sys
+resource.setrlimit(resource.RLIMIT_NOFILE, (40, 40))
+from gpucoll import TCPStore
+s = TCPStore("127.0.0.1", 0, is_server=True, timeout=60)
+print(s.port, flush=True)
+sys.stdin.read()
+s.close()
+"""
+
+
+def test_server_out_of_file_descriptors_serves_waiting_clients_once_others_leave():
+    import subprocess
+    import sys
+
+    proc = subprocess.Popen([sys.executable, "-c", _FD_LIMITED_SERVER], stdin=subprocess.PIPE,
+                            stdout=subprocess.PIPE, text=True)
+    try:
+        port = int(proc.stdout.readline())
+        first = [TCPStore("127.0.0.1", port, timeout=30) for _ in range(25)]
+        # beyond the server's descriptors: these wait in the backlog for their hello
+        late: list = []
+        threads = [threading.Thread(target=lambda: late.append(
+            TCPStore("127.0.0.1", port, timeout=60))) for _ in range(20)]
+        for t in threads:
+            t.start()
+        for c in first:
+            c.close()
+        for t in threads:
+            t.join(70)
+        assert len(late) == 20
+        assert late[0].add("n", 1) == 1
+        for c in late:
+            c.close()
+    finally:
+        proc.stdin.close()
+        try:
+            proc.wait(timeout=20)
+        except subprocess.TimeoutExpired:
+            proc.kill()
+            proc.wait()

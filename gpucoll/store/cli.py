@@ -6,8 +6,9 @@ import argparse
 import signal
 import sys
 
+from gpucoll.store.client import env_token
 from gpucoll.store.protocol import DEFAULT_MAX_VALUE_BYTES
-from gpucoll.store.server import StoreServer, env_token
+from gpucoll.store.server import StoreServer
 
 
 def build_parser() -> argparse.ArgumentParser:

@@ -9,6 +9,7 @@ every wait has a deadline: the call's ``timeout=`` or else the store's.
 
 from __future__ import annotations
 
+import os
 import time
 from collections.abc import Sequence
 
@@ -23,7 +24,7 @@ from gpucoll.store.protocol import (
     encode,
     pack_timeout,
 )
-from gpucoll.store.server import StoreServer, env_token
+from gpucoll.store.server import StoreServer
 
 _WILDCARDS = {"", "0.0.0.0", "::", "*"}
 # how long past a blocking call's own timeout to wait for the server's timeout reply
@@ -229,6 +230,11 @@ def _bytes(value: bytes | str, what: str) -> bytes:
     if isinstance(value, (bytes, bytearray, memoryview)):
         return bytes(value)
     raise TypeError(f"{what}: values are bytes or str, got {type(value).__name__}")
+
+
+def env_token() -> str | None:
+    """The shared token from GPUCOLL_STORE_TOKEN, or None when unset or empty."""
+    return os.environ.get("GPUCOLL_STORE_TOKEN") or None
 
 
 def parse_address(address: str) -> tuple[str, int]:

@@ -1,4 +1,4 @@
-"""The store server: one selector loop in a daemon thread, serving every client at once.
+"""The store server: one event loop (epoll) in a daemon thread, serving every client at once.
 
 No thread per client: a blocking ``get``/``wait`` parks its request server-side until the keys
 are set or its deadline passes, so thousands of waiting ranks cost one small record each.
@@ -8,19 +8,16 @@ A client that sends garbage gets an error reply or loses its connection; nobody 
 from __future__ import annotations
 
 import collections
+import errno
 import heapq
 import hmac
 import itertools
 import logging
-import os
-import resource
-import select
 import socket
-import struct
 import threading
 import time
 
-from gpucoll.errors import StoreError
+from gpucoll.store.netio import Poller, listen, raise_fd_limit
 from gpucoll.store.protocol import (
     DEFAULT_MAX_VALUE_BYTES,
     FRAME_SLACK,
@@ -37,47 +34,9 @@ from gpucoll.store.protocol import (
     encode,
     encode_payload,
 )
+from gpucoll.store.watch import PARKED, Waiter, Watch, park_request
 
 log = logging.getLogger("gpucoll.store")
-
-
-def raise_fd_limit() -> int:
-    """Lift the soft open-files limit to the hard one (a store may hold thousands of sockets)."""
-    soft, hard = resource.getrlimit(resource.RLIMIT_NOFILE)
-    want = hard if hard != resource.RLIM_INFINITY else max(soft, 1 << 16)
-    if soft != resource.RLIM_INFINITY and soft < want:
-        try:
-            resource.setrlimit(resource.RLIMIT_NOFILE, (want, hard))
-            return want
-        except (ValueError, OSError):
-            pass
-    return soft
-
-
-class _Poller:
-    """epoll where there is one (Linux), else poll(2): one small seam for the loop."""
-
-    def __init__(self):
-        if hasattr(select, "epoll"):
-            self._p, self._ms = select.epoll(), False
-            self.IN, self.OUT = select.EPOLLIN, select.EPOLLOUT
-            self.ERR = select.EPOLLERR | select.EPOLLHUP
-        else:
-            self._p, self._ms = select.poll(), True
-            self.IN, self.OUT = select.POLLIN, select.POLLOUT
-            self.ERR = select.POLLERR | select.POLLHUP
-        self.register, self.modify = self._p.register, self._p.modify
-        self.unregister = self._p.unregister
-
-    def poll(self, timeout: float | None) -> list[tuple[int, int]]:
-        if timeout is None:
-            return self._p.poll(None if self._ms else -1)
-        return self._p.poll(timeout * 1000 if self._ms else timeout)
-
-    def close(self) -> None:
-        close = getattr(self._p, "close", None)
-        if close is not None:
-            close()
 
 
 class _Conn:
@@ -93,31 +52,7 @@ class _Conn:
         self.authed = False
         self.closing = False
         self.closed = False
-        self.waiters: set[_Waiter] = set()
-
-
-class _Watch:
-    """One list of keys that parked requests wait for, shared by every request naming the
-    same list (ranks of a job all wait for the same keys: one scan serves them all)."""
-
-    __slots__ = ("ident", "keys", "pos", "members", "live")
-
-    def __init__(self, ident: bytes, keys: list[bytes]):
-        self.ident, self.keys = ident, keys
-        self.pos = 0  # keys[:pos] were all present when last looked at
-        self.members: list[_Waiter] = []
-        self.live = 0  # members still waiting; 0 makes the watch stale
-
-
-class _Waiter:
-    """A parked get/multi_get/wait request, answered when its watch completes or expires."""
-
-    __slots__ = ("conn", "rid", "op", "watch", "deadline", "done")
-
-    def __init__(self, conn: _Conn, rid: int, op: int, watch: _Watch, deadline: float):
-        self.conn, self.rid, self.op, self.watch = conn, rid, op, watch
-        self.deadline = deadline
-        self.done = False
+        self.waiters: set[Waiter] = set()
 
 
 class StoreServer:
@@ -128,18 +63,19 @@ class StoreServer:
         self.max_value_bytes = int(max_value_bytes)
         self._token = (token or "").encode()
         self._data: dict[bytes, bytes] = {}
-        self._parked: dict[bytes, list[_Watch]] = {}  # missing key -> watches stopped at it
-        self._watches: dict[bytes, _Watch] = {}
-        self._timers: list[tuple[float, int, _Waiter]] = []
+        self._parked: dict[bytes, list[Watch]] = {}  # missing key -> watches stopped at it
+        self._watches: dict[bytes, Watch] = {}
+        self._timers: list[tuple[float, int, Waiter]] = []
         self._seq = itertools.count()
         self._conns: dict[int, _Conn] = {}  # by file descriptor
         self._stop = False
+        self._accepting = True
         raise_fd_limit()
-        self._listener = _listen(host, port)
+        self._listener = listen(host, port)
         self.host = host
         self.port = self._listener.getsockname()[1]
         self._wake_r, self._wake_w = socket.socketpair()
-        self._poller = _Poller()
+        self._poller = Poller()
         self._poller.register(self._listener.fileno(), self._poller.IN)
         self._poller.register(self._wake_r.fileno(), self._poller.IN)
         self._handlers = {
@@ -220,8 +156,18 @@ class StoreServer:
                 sock, addr = self._listener.accept()
             except (BlockingIOError, InterruptedError):
                 return
-            except OSError as exc:  # e.g. out of file descriptors: keep serving the others
-                log.warning("store server could not accept a connection: %s", exc)
+            except OSError as exc:
+                if exc.errno in (errno.EMFILE, errno.ENFILE):
+                    # out of file descriptors: stop accepting (the listener would stay ready
+                    # and spin the loop) until a connection closes; the rest wait in the
+                    # kernel's backlog
+                    log.warning("store server on port %d out of file descriptors at %d "
+                                "connections; accepting again when one closes",
+                                self.port, len(self._conns))
+                    self._poller.unregister(self._listener.fileno())
+                    self._accepting = False
+                else:
+                    log.warning("store server could not accept a connection: %s", exc)
                 return
             sock.setblocking(False)
             sock.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
@@ -241,6 +187,9 @@ class StoreServer:
         except (KeyError, ValueError, OSError):
             pass
         conn.sock.close()
+        if not self._accepting and not self._stop:
+            self._accepting = True
+            self._poller.register(self._listener.fileno(), self._poller.IN)
 
     def _on_readable(self, conn: _Conn) -> None:
         try:
@@ -260,7 +209,7 @@ class StoreServer:
 
     def _handle(self, conn: _Conn, frame: Frame) -> None:
         try:
-            if frame.code in _PARKED and conn.authed:
+            if frame.code in PARKED and conn.authed:
                 self._op_park(conn, frame)  # decodes only a key list it has not seen
                 return
             args = decode_args(frame)
@@ -421,12 +370,12 @@ class StoreServer:
             if value is not None and len(args[0]) == 8:
                 self._reply(conn, Status.OK, frame.rid, [] if frame.code == Op.WAIT else [value])
                 return
-        ident, timeout = _park_request(frame)
+        ident, timeout = park_request(frame)
         watch = self._watches.get(ident)
         fresh = watch is None
         if fresh:
-            watch = _Watch(ident, decode_args(frame)[1:])
-        w = _Waiter(conn, frame.rid, frame.code, watch, time.monotonic() + timeout)
+            watch = Watch(ident, decode_args(frame)[1:])
+        w = Waiter(conn, frame.rid, frame.code, watch, time.monotonic() + timeout)
         watch.members.append(w)
         watch.live += 1
         conn.waiters.add(w)
@@ -435,7 +384,7 @@ class StoreServer:
         self._watches[ident] = watch
         heapq.heappush(self._timers, (w.deadline, next(self._seq), w))
 
-    def _advance(self, watch: _Watch) -> bool:
+    def _advance(self, watch: Watch) -> bool:
         """Move past the keys now present; answer every member if none is missing (True),
         else park the watch at the first missing key."""
         data, keys = self._data, watch.keys
@@ -467,7 +416,7 @@ class StoreServer:
                 self._write(w.conn, [head + body] if len(body) < 65536 else [head, body])
         return True
 
-    def _retire(self, w: _Waiter) -> None:
+    def _retire(self, w: Waiter) -> None:
         """``w`` no longer waits (answered, expired or disconnected)."""
         w.done = True
         w.conn.waiters.discard(w)
@@ -487,28 +436,6 @@ class StoreServer:
                 self._reply(w.conn, Status.TIMEOUT, w.rid, missing)
 
 
-_PARKED = frozenset((Op.GET, Op.MULTI_GET, Op.WAIT))
-
-
-def _park_request(frame: Frame) -> tuple[bytes, float]:
-    """The identity of a parked request's key list (its bytes, without the timeout) and its
-    timeout; FrameError if the frame is not ``timeout, key...``."""
-    payload, argc = frame.payload, frame.argc
-    table = 4 * argc
-    if argc < 2 or (frame.code == Op.GET and argc != 2) or table > len(payload):
-        raise FrameError("a blocking request needs a timeout and its keys", frame.rid,
-                         fatal=False)
-    lengths = struct.unpack_from(f"<{argc}I", payload)
-    if lengths[0] != 8 or table + sum(lengths) != len(payload):
-        raise FrameError("malformed blocking request", frame.rid, fatal=False)
-    timeout = struct.unpack_from("<d", payload, table)[0]
-    if not 0.0 <= timeout <= 1e9:  # also refuses NaN
-        raise FrameError(f"timeout {timeout!r} is not a number of seconds", frame.rid,
-                         fatal=False)
-    # get, multi_get and wait of the same keys share one watch; only the replies differ
-    return bytes(payload[4:table]) + bytes(payload[table + 8:]), timeout
-
-
 def _expect_args(frame: Frame, args: list[bytes], n: int) -> None:
     if len(args) != n:
         raise FrameError(f"operation {frame.code} takes {n} arguments, got {len(args)}",
@@ -517,27 +444,3 @@ def _expect_args(frame: Frame, args: list[bytes], n: int) -> None:
 
 def _show(key: bytes) -> str:
     return repr(key.decode("utf-8", "replace"))
-
-
-def _listen(host: str, port: int) -> socket.socket:
-    """A non-blocking listening socket; IPv6 literals and names resolve through getaddrinfo."""
-    infos = socket.getaddrinfo(host or None, port, type=socket.SOCK_STREAM,
-                               flags=socket.AI_PASSIVE)
-    last: OSError | None = None
-    for family, kind, proto, _, addr in infos:
-        sock = socket.socket(family, kind, proto)
-        try:
-            sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
-            sock.bind(addr)
-            sock.listen(4096)
-            sock.setblocking(False)
-            return sock
-        except OSError as exc:
-            sock.close()
-            last = exc
-    raise StoreError(f"cannot serve a store on {host}:{port}: {last}")
-
-
-def env_token() -> str | None:
-    """The shared token from GPUCOLL_STORE_TOKEN, or None when unset or empty."""
-    return os.environ.get("GPUCOLL_STORE_TOKEN") or None
