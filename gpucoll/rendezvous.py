@@ -266,8 +266,15 @@ def connect_store(rdv: Rendezvous, timeout: float = 300.0):
 
     if rdv.store_is_running or rdv.rank != 0:
         return TCPStore(rdv.store_host, rdv.store_port, timeout=timeout, token=rdv.token)
-    bind = rdv.store_host if _is_loopback(rdv.store_host) else "0.0.0.0"
-    return TCPStore(bind, rdv.store_port, is_server=True, timeout=timeout, token=rdv.token)
+    if _is_loopback(rdv.store_host):
+        return TCPStore(rdv.store_host, rdv.store_port, is_server=True, timeout=timeout,
+                        token=rdv.token)
+    # Listen on every interface (a host name may resolve to a loopback address locally), but
+    # report the address the other ranks use, as their stores do.
+    store = TCPStore("0.0.0.0", rdv.store_port, is_server=True, timeout=timeout,
+                     token=rdv.token)
+    store.host = rdv.store_host
+    return store
 
 
 def _is_loopback(host: str) -> bool:

@@ -227,6 +227,16 @@ def test_rank_1_started_first_waits_for_rank_0():
     assert got == [b"x"]
 
 
+def test_rank_0_on_a_named_host_listens_everywhere_and_reports_that_name():
+    rdv = Rendezvous(0, 2, 0, 1, "localhost.", 0, False, None, "gpucoll")
+    with connect_store(rdv, timeout=20) as store:
+        assert store.is_server and store.host == "localhost."
+        with connect_store(dataclasses.replace(rdv, rank=1, store_host="127.0.0.1",
+                                               store_port=store.port), timeout=20) as other:
+            other.set("k", b"v")
+            assert store.get("k") == b"v"
+
+
 def test_running_store_is_joined_not_hosted(store_server):
     store = connect_store(_rdv(0, store_server.port, True), timeout=20)
     try:
