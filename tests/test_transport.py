@@ -229,7 +229,7 @@ def test_an_unknown_transport_is_a_value_error_naming_the_source(monkeypatch):
 
 
 def test_ring_size_shrinks_with_many_local_peers_and_obeys_the_environment(monkeypatch):
-    assert shm.ring_bytes(1) == 4 << 20
+    assert shm.ring_bytes(1) == 2 << 20
     assert shm.ring_bytes(63) < shm.ring_bytes(3)
     monkeypatch.setenv("GPUCOLL_SHM_RING_BYTES", "5000")
     assert shm.ring_bytes(1) % 16 == 0 and shm.ring_bytes(1) >= 5000

@@ -21,7 +21,7 @@ import numpy as np
 
 HEADER = 256
 HEAD, TX_SLEEP, TAIL, RX_SLEEP = 0, 1, 16, 17  # int64 slots of the header
-PIECE = 1 << 20  # bytes moved per step, so the peer can work on the previous piece meanwhile
+PIECE = 512 << 10  # bytes moved per step: the peer works on the previous piece meanwhile
 WHOLE = 64 << 10  # messages up to this size never wrap, so a receiver can read them in place
 
 
@@ -30,11 +30,12 @@ def _align16(n: int) -> int:
 
 
 def ring_bytes(local_peers: int) -> int:
-    """Data bytes of one ring: 4 MiB, less when many ranks share the host (all multiples of 16)."""
+    """Data bytes of one ring: 2 MiB (four pieces in flight, and still cache-sized), less when
+    many ranks share the host; always a multiple of 16."""
     env = os.environ.get("GPUCOLL_SHM_RING_BYTES")
     if env:
         return max(_align16(int(env)), 4096)  # small rings only cap the in-place size
-    return max(4 << 20 >> max(local_peers - 8, 0).bit_length(), 256 << 10)
+    return max(2 << 20 >> max(local_peers - 8, 0).bit_length(), 256 << 10)
 
 
 def create_segment(name: str, cap: int) -> int:
