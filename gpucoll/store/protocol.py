@@ -20,7 +20,9 @@ VERSION = b"gpucoll-store/1"
 HEADER = struct.Struct("<IBII")
 HEADER_SIZE = HEADER.size
 _HEADER2 = struct.Struct("<IBIIII")  # header and the lengths of two arguments
+_HEADER1 = struct.Struct("<IBIII")  # header and the length of one argument
 _U32 = struct.Struct("<I")
+_U32X2 = struct.Struct("<II")
 NO_REPLY = 0
 DEFAULT_MAX_VALUE_BYTES = 256 << 20
 # room for keys and lengths beside the largest value in one frame
@@ -72,7 +74,11 @@ class Frame(NamedTuple):
 
 def encode(code: int, rid: int, args: Sequence[bytes]) -> list[bytes]:
     """Frame ``args``; small frames come back as one buffer, large ones as a list to send."""
-    if len(args) == 2:  # the hot path: set(key, value), get(timeout, key), add(key, amount)
+    if len(args) == 1:  # most replies
+        (a,) = args
+        head = _HEADER1.pack(4 + len(a), code, rid, 1, len(a))
+        return [head + a] if len(a) < _JOIN_BELOW else [head, a]
+    if len(args) == 2:  # most requests: set(key, value), get(timeout, key), add(key, amount)
         a, b = args
         size = len(a) + len(b)
         head = _HEADER2.pack(8 + size, code, rid, 2, len(a), len(b))
@@ -96,6 +102,10 @@ def decode_args(frame: Frame) -> list[bytes]:
     if argc == 1 and type(payload) is bytes and len(payload) >= 4 \
             and _U32.unpack_from(payload)[0] == len(payload) - 4:
         return [payload[4:]]  # most replies: one value
+    if argc == 2 and type(payload) is bytes and len(payload) >= 8:
+        n1, n2 = _U32X2.unpack_from(payload)
+        if n1 + n2 + 8 == len(payload):  # most requests: two arguments
+            return [payload[8:8 + n1], payload[8 + n1:]]
     table = 4 * argc
     if table > len(payload):
         raise FrameError(f"frame claims {argc} arguments in {len(payload)} bytes",

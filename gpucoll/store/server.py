@@ -265,8 +265,7 @@ class StoreServer:
         except OSError:
             self._drop(conn)
             return
-        total = sum(len(b) for b in bufs)
-        if sent == total:
+        if sent == (len(bufs[0]) if len(bufs) == 1 else sum(map(len, bufs))):
             return
         for b in bufs:
             if sent >= len(b):
