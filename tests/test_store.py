@@ -332,3 +332,22 @@ def test_multi_get_never_returns_a_key_deleted_before_it_completes(store_server)
 def test_bytes_in_a_key_list_is_a_type_error(store_server):
     with pytest.raises(TypeError, match="bytes b'k'"):
         store_server.check(["a", b"k"])
+
+
+def _has_ipv6_loopback() -> bool:
+    import socket
+
+    try:
+        with socket.socket(socket.AF_INET6) as s:
+            s.bind(("::1", 0))
+        return True
+    except OSError:
+        return False
+
+
+@pytest.mark.skipif(not _has_ipv6_loopback(), reason="no IPv6 loopback here")
+def test_store_on_ipv6_loopback():
+    with TCPStore("::1", 0, is_server=True, timeout=10) as s:
+        with TCPStore("::1", s.port, timeout=10) as c:
+            c.set("k", b"v6")
+            assert s.get("k") == b"v6"

@@ -8,7 +8,6 @@ one send and one receive, nothing more).
 
 from __future__ import annotations
 
-import ipaddress
 import socket
 import struct
 import threading
@@ -247,13 +246,13 @@ def _connect_once(host: str, port: int, timeout: float) -> socket.socket:
 
 def _resolve(host: str, port: int) -> list[tuple]:
     """getaddrinfo, skipped for IP literals (thousands of ranks connect at once)."""
-    try:
-        ip = ipaddress.ip_address(host)
-    except ValueError:
-        return socket.getaddrinfo(host, port, type=socket.SOCK_STREAM)
-    family = socket.AF_INET6 if ip.version == 6 else socket.AF_INET
-    addr = (host, port) if ip.version == 4 else (host, port, 0, 0)
-    return [(family, socket.SOCK_STREAM, socket.IPPROTO_TCP, "", addr)]
+    for family, addr in ((socket.AF_INET, (host, port)), (socket.AF_INET6, (host, port, 0, 0))):
+        try:
+            socket.inet_pton(family, host)
+        except OSError:
+            continue
+        return [(family, socket.SOCK_STREAM, socket.IPPROTO_TCP, "", addr)]
+    return socket.getaddrinfo(host, port, type=socket.SOCK_STREAM)
 
 
 def _text(args: list[bytes]) -> str:
