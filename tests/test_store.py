@@ -351,3 +351,11 @@ def test_store_on_ipv6_loopback():
         with TCPStore("::1", s.port, timeout=10) as c:
             c.set("k", b"v6")
             assert s.get("k") == b"v6"
+
+
+def test_multi_get_of_values_larger_together_than_the_value_limit():
+    with TCPStore("127.0.0.1", 0, is_server=True, timeout=20, max_value_bytes=1 << 20) as s:
+        s.set("a", bytes(1 << 20))
+        s.set("b", b"\x01" * (1 << 20))
+        a, b = s.multi_get(["a", "b"])
+        assert (len(a), len(b), b[:1]) == (1 << 20, 1 << 20, b"\x01")

@@ -15,8 +15,7 @@ import time
 
 from gpucoll.errors import StoreError, StoreTimeout
 from gpucoll.store.protocol import (
-    DEFAULT_MAX_VALUE_BYTES,
-    FRAME_SLACK,
+    MAX_PAYLOAD,
     NO_REPLY,
     VERSION,
     Frame,
@@ -49,7 +48,8 @@ class Connection:
         self._sock = _connect(host, port, timeout, deadline)
         _set_timeo(self._sock, socket.SO_SNDTIMEO, min(max(timeout, 1.0), 60.0))
         self._rcv_timeo = 0.0
-        self._reader = FrameReader(DEFAULT_MAX_VALUE_BYTES + FRAME_SLACK)
+        # replies come from the server we chose: any size a frame can carry
+        self._reader = FrameReader(MAX_PAYLOAD)
         self._send_lock = threading.Lock()
         self._lock = threading.Lock()  # guards the fields below; C-level on the fast path
         self._cond = threading.Condition(self._lock)
@@ -68,7 +68,6 @@ class Connection:
             raise StoreError(f"store at {self.address} refused the connection: "
                              f"{_text(args)}")
         self.max_value_bytes = int(args[0])
-        self._reader.limit = self.max_value_bytes + FRAME_SLACK
 
     def post(self, bufs: list[bytes], what: str) -> None:
         """Send an encoded request that gets no reply on success (a failure breaks the

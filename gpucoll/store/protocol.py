@@ -24,6 +24,7 @@ _HEADER1 = struct.Struct("<IBIII")  # header and the length of one argument
 _U32 = struct.Struct("<I")
 _U32X2 = struct.Struct("<II")
 NO_REPLY = 0
+MAX_PAYLOAD = 0xFFFFFFFF  # the header's length field is 32 bits
 DEFAULT_MAX_VALUE_BYTES = 256 << 20
 # room for keys and lengths beside the largest value in one frame
 FRAME_SLACK = 1 << 20

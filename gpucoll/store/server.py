@@ -23,6 +23,7 @@ from gpucoll.store.protocol import (
     FRAME_SLACK,
     HEADER,
     HELLO_LIMIT,
+    MAX_PAYLOAD,
     NO_REPLY,
     VERSION,
     Frame,
@@ -405,13 +406,20 @@ class StoreServer:
         self._watches.pop(watch.ident, None)
         members, watch.members, watch.live = watch.members, [], 0
         # one payload for all: many ranks waiting on the same keys is the common case
-        empty, full = encode_payload([]), (encode_payload(values) if values else None)
+        status, empty, full = Status.OK, encode_payload([]), None
+        if values:
+            full = encode_payload(values)
+            if len(full[1]) > MAX_PAYLOAD:
+                status, full = Status.ERROR, encode_payload(
+                    [f"reply of {len(full[1])} bytes does not fit in one frame: ask for "
+                     f"fewer keys at a time".encode()])
         for w in members:
             if not w.done:
                 w.done = True
                 w.conn.waiters.discard(w)
                 argc, body = empty if w.op == Op.WAIT else full
-                head = HEADER.pack(len(body), Status.OK, w.rid, argc)
+                head = HEADER.pack(len(body), status if w.op != Op.WAIT else Status.OK,
+                                   w.rid, argc)
                 self._write(w.conn, [head + body] if len(body) < 65536 else [head, body])
         return True
 
