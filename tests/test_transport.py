@@ -277,3 +277,9 @@ def test_forced_shm_refuses_ranks_on_another_host(store_server, monkeypatch):
         "host": "10.0.0.1", "port": 9, "unix": "x", "id": "elsewhere/boot", "nonce": "00" * 16}))
     with pytest.raises(BackendUnavailable, match="transport='shm' needs every rank on one host"):
         mesh.Mesh(store, 1, 2, timeout=5, transport="shm")
+
+
+def test_runnable_tasks_counts_at_least_this_process():
+    from gpucoll.transport.engine import runnable_tasks
+
+    assert runnable_tasks() >= 1

@@ -22,7 +22,7 @@ from gpucoll.backends import ring_algos as algos
 from gpucoll.backends.base import Backend
 from gpucoll.errors import CollectiveTimeout, GpucollError, PeerFailure
 from gpucoll.ops import ReduceOp, finish_avg, host_ufunc
-from gpucoll.transport.engine import Engine, State
+from gpucoll.transport.engine import CORES, Engine, State
 from gpucoll.transport.mesh import Mesh
 from gpucoll.transport.monitor import CLOSE, Monitor, encode_abort
 from gpucoll.work import FutureWork
@@ -57,7 +57,7 @@ class RingBackend(Backend):
         self._worker: threading.Thread | None = None
         self._mesh = Mesh(store, rank, size, timeout=timeout, transport=transport)
         self.transport = self._mesh.transport
-        busy = self._mesh.local_ranks > (os.cpu_count() or 1)
+        busy = self._mesh.local_ranks > CORES
         self._engine = Engine(rank, self._mesh.links, self._mesh.bell, self._state, busy)
         self._monitor = Monitor(rank, self._mesh.control, self._mesh.bell, self._state)
 

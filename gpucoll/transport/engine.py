@@ -3,9 +3,9 @@
 A collective step is a handful of ops (send these bytes to rank a, receive or reduce those from
 rank b). ``Engine.run`` lets every op move whatever its link accepts now, round-robin, so sends
 and receives overlap and nothing deadlocks on full buffers. With nothing to do it spins briefly
-(yielding the core for a moment too when ranks outnumber cores), then sleeps on this rank's
-doorbell (an eventfd that peers, and the failure monitor, ring) and on its TCP sockets: waiting
-ranks never starve busy ones. (Yielding for long costs whole time slices on a busy machine.)
+(less, and then yields the core for a moment, when processes outnumber cores), then sleeps on this
+rank's doorbell (an eventfd that peers, and the failure monitor, ring) and on its TCP sockets:
+waiting ranks never starve busy ones.
 """
 
 from __future__ import annotations
@@ -21,9 +21,20 @@ import numpy as np
 from gpucoll.errors import CollectiveTimeout, GpucollError, PeerFailure
 
 SPIN_S = 50e-6  # busy polling before yielding: peers on other cores answer within this
-YIELD_S = 25e-6  # then sched_yield, only when ranks outnumber cores
+YIELD_S = 25e-6  # then sched_yield, only when processes outnumber cores
+LOAD_CHECK_S = 0.1  # how often to look at the machine's load
+CORES = len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else os.cpu_count() or 1
 NAP_MS = 2  # longest sleep between re-checks (covers a doorbell raced past)
 ROOT_CAUSE_S = 2.0  # how long a broken link waits for the monitor to learn why
+
+
+def runnable_tasks() -> int:
+    """Processes running or ready to run on this machine now (0 if unknown)."""
+    try:
+        with open("/proc/loadavg", "rb") as f:
+            return int(f.read().split()[3].split(b"/")[0])
+    except (OSError, ValueError, IndexError):
+        return 0
 
 
 class Op:
@@ -174,12 +185,25 @@ class Engine:
         self.links = links
         self.bell = bell
         self.state = state
-        self.spin_s = 5e-6 if oversubscribed else SPIN_S
-        # with more ranks than cores, a short yield hands the core to the peer we wait for;
-        # longer would give whole time slices to unrelated processes on a busy machine
-        self.yield_s = self.spin_s + YIELD_S if oversubscribed else 0.0
+        self.oversubscribed = oversubscribed  # this job alone has more ranks than cores
+        self._load_checked = 0.0
+        self._set_policy(oversubscribed)
         self.poller = select.poll()
         self.poller.register(bell, select.POLLIN)
+
+    def _set_policy(self, crowded: bool) -> None:
+        """Long spins when every rank has a core; when cores are short (our ranks or other
+        processes), spin a little, then yield the core to whoever we wait for, then sleep.
+        (Yielding longer would give whole time slices to unrelated processes.)"""
+        self.spin_s = 5e-6 if crowded else SPIN_S
+        self.yield_s = self.spin_s + YIELD_S if crowded else 0.0
+
+    def _watch_load(self, now: float) -> None:
+        """Every LOAD_CHECK_S, see whether other processes crowd the cores."""
+        if now - self._load_checked < LOAD_CHECK_S:
+            return
+        self._load_checked = now
+        self._set_policy(self.oversubscribed or runnable_tasks() > CORES)
 
     def run(self, ops: Sequence[Op], deadline: float, opname: str) -> None:
         """Complete every op by ``deadline`` (time.monotonic) or raise naming the peer.
@@ -224,6 +248,7 @@ class Engine:
         if now >= deadline:
             raise self._timeout(pending, opname)
         if not idle_since:
+            self._watch_load(now)
             return now
         idle = now - idle_since
         if idle < self.spin_s:
