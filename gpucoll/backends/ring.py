@@ -14,7 +14,7 @@ import queue
 import threading
 import time
 from collections.abc import Callable
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import numpy as np
 
@@ -26,6 +26,9 @@ from gpucoll.transport.engine import CORES, Engine, State
 from gpucoll.transport.mesh import Mesh
 from gpucoll.transport.monitor import CLOSE, Monitor, encode_abort
 from gpucoll.work import FutureWork
+
+if TYPE_CHECKING:
+    from gpucoll.arrays import ArrayRef
 
 _CLOSE_GRACE_S = 2.0  # how long close() lets calls in flight finish before aborting them
 
@@ -134,38 +137,44 @@ class RingBackend(Backend):
         return None
 
     # -- collectives -----------------------------------------------------------------------
-    def all_reduce(self, x, op, *, timeout, stream=None) -> None:
+    def all_reduce(self, x: ArrayRef, op: ReduceOp, *, timeout: float, stream: Any = None) -> None:
         self._reducing("all_reduce", timeout, algos.all_reduce, x.host, host_ufunc(op),
                    self._finish(op, self.size))
 
-    def broadcast(self, x, root, *, timeout, stream=None) -> None:
+    def broadcast(self, x: ArrayRef, root: int, *, timeout: float, stream: Any = None) -> None:
         self._call("broadcast", timeout, algos.broadcast, x.host, root)
 
-    def reduce(self, x, root, op, *, timeout, stream=None) -> None:
+    def reduce(self, x: ArrayRef, root: int, op: ReduceOp, *, timeout: float,
+               stream: Any = None) -> None:
         self._reducing("reduce", timeout, algos.reduce, x.host, root, host_ufunc(op),
                    self._finish(op, self.size))
 
-    def all_gather(self, x, out, *, timeout, stream=None) -> None:
+    def all_gather(self, x: ArrayRef, out: ArrayRef, *, timeout: float,
+                   stream: Any = None) -> None:
         self._call("all_gather", timeout, algos.all_gather, x.host, out.host)
 
-    def gather(self, x, out, root, *, timeout, stream=None) -> None:
+    def gather(self, x: ArrayRef, out: ArrayRef | None, root: int, *, timeout: float,
+               stream: Any = None) -> None:
         self._call("gather", timeout, algos.gather, x.host, _host(out), root)
 
-    def scatter(self, x, out, root, *, timeout, stream=None) -> None:
+    def scatter(self, x: ArrayRef | None, out: ArrayRef, root: int, *, timeout: float,
+                stream: Any = None) -> None:
         self._call("scatter", timeout, algos.scatter, _host(x), out.host, root)
 
-    def reduce_scatter(self, x, out, op, *, timeout, stream=None) -> None:
+    def reduce_scatter(self, x: ArrayRef, out: ArrayRef, op: ReduceOp, *, timeout: float,
+                       stream: Any = None) -> None:
         self._reducing("reduce_scatter", timeout, algos.reduce_scatter, x.host, out.host,
                    host_ufunc(op), self._finish(op, self.size))
 
-    def all_to_all(self, x, out, *, timeout, stream=None) -> None:
+    def all_to_all(self, x: ArrayRef, out: ArrayRef, *, timeout: float,
+                   stream: Any = None) -> None:
         self._call("all_to_all", timeout, algos.all_to_all, x.host, out.host)
 
-    def send(self, x, dst, *, timeout, stream=None) -> None:
+    def send(self, x: ArrayRef, dst: int, *, timeout: float, stream: Any = None) -> None:
         self._check_peer(dst, "dst")
         self._call(f"send to rank {dst}", timeout, _p2p, dst, x.host, True)
 
-    def recv(self, x, src, *, timeout, stream=None) -> None:
+    def recv(self, x: ArrayRef, src: int, *, timeout: float, stream: Any = None) -> None:
         self._check_peer(src, "src")
         self._call(f"recv from rank {src}", timeout, _p2p, src, x.host, False)
 
@@ -174,7 +183,7 @@ class RingBackend(Backend):
             raise ValueError(f"{name}={peer} on rank {self.rank}: expected another rank of this "
                              f"group, 0..{self.size - 1}")
 
-    def barrier(self, *, timeout) -> None:
+    def barrier(self, *, timeout: float) -> None:
         self._call("barrier", timeout, algos.barrier)
 
     # -- ordering --------------------------------------------------------------------------
@@ -226,7 +235,8 @@ class RingBackend(Backend):
         call()
 
     # -- groups and lifetime ---------------------------------------------------------------
-    def split(self, store, rank, size, color, key, *, timeout) -> RingBackend | None:
+    def split(self, store: Any, rank: int | None, size: int, color: int | None, key: int,
+              *, timeout: float) -> RingBackend | None:
         if color is None or rank is None:
             return None
         return RingBackend(store, rank, size, timeout=timeout, transport=self._transport_arg)
