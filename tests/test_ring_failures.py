@@ -249,3 +249,28 @@ def _close_during_a_call(rank, n, addr):
 def test_close_ends_a_call_stuck_in_another_thread(store_addr):
     outcome, _ = spawn(_close_during_a_call, 2, store_addr, timeout=30)
     assert len(outcome) == 1 and "closed" in str(outcome[0])
+
+
+def _peer_closed_early(rank, n, addr, transport):
+    store, b = open_backend(rank, n, addr, transport, timeout=LONG)
+    try:
+        if rank == 1:
+            b.close()  # leaves without joining the all_reduce below
+            store.set("rank1-closed", "1")
+            return None
+        store.get("rank1-closed", timeout=LONG)
+        try:
+            b.all_reduce(Ref(np.zeros(1000, np.float32)), ReduceOp.SUM, timeout=LONG)
+        except PeerFailure as exc:
+            return exc
+        return None
+    finally:
+        b.close()
+        store.close()
+
+
+@pytest.mark.parametrize("transport", ["shm", "tcp"])
+def test_waiting_on_a_peer_that_closed_is_a_peer_failure_not_a_hang(store_addr, transport):
+    err, _ = spawn(_peer_closed_early, 2, store_addr, transport, timeout=30)
+    assert isinstance(err, PeerFailure) and err.peer == 1, repr(err)
+    assert "closed" in str(err)
