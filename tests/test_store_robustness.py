@@ -263,3 +263,15 @@ def test_nothing_listening_times_out_naming_the_address():
             TCPStore("127.0.0.1", port, timeout=0.3)
     finally:
         reserved.close()
+
+
+def test_connection_that_never_says_hello_is_dropped():
+    from gpucoll.store.server import StoreServer
+
+    server = StoreServer("127.0.0.1", 0, hello_timeout=0.2)
+    try:
+        sock = raw_connect(server.port)
+        assert closed_by_server(sock)  # nothing sent: dropped at the hello deadline
+        sock.close()
+    finally:
+        server.close()

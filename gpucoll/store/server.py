@@ -55,18 +55,24 @@ class _Conn:
         self.closed = False
         self.waiters: set[Waiter] = set()
 
+    @property
+    def done(self) -> bool:
+        """Nothing left for the hello deadline to do (a timer entry, like a Waiter)."""
+        return self.authed or self.closed
+
 
 class StoreServer:
     """Serves the store on ``host:port`` (0 picks a free port) from a background thread."""
 
     def __init__(self, host: str, port: int, *, token: str | None = None,
-                 max_value_bytes: int = DEFAULT_MAX_VALUE_BYTES):
+                 max_value_bytes: int = DEFAULT_MAX_VALUE_BYTES, hello_timeout: float = 60.0):
         self.max_value_bytes = int(max_value_bytes)
+        self.hello_timeout = hello_timeout  # a connection that never says hello is dropped
         self._token = (token or "").encode()
         self._data: dict[bytes, bytes] = {}
         self._parked: dict[bytes, list[Watch]] = {}  # missing key -> watches stopped at it
         self._watches: dict[bytes, Watch] = {}
-        self._timers: list[tuple[float, int, Waiter]] = []
+        self._timers: list[tuple[float, int, Waiter | _Conn]] = []
         self._seq = itertools.count()
         self._conns: dict[int, _Conn] = {}  # by file descriptor
         self._stop = False
@@ -175,6 +181,8 @@ class StoreServer:
             conn = _Conn(sock, f"{addr[0]}:{addr[1]}")
             self._conns[conn.fd] = conn
             self._poller.register(conn.fd, self._poller.IN)
+            deadline = time.monotonic() + self.hello_timeout
+            heapq.heappush(self._timers, (deadline, next(self._seq), conn))
 
     def _drop(self, conn: _Conn) -> None:
         if conn.closed:
@@ -436,7 +444,12 @@ class StoreServer:
         timers = self._timers
         while timers and (timers[0][2].done or timers[0][0] <= now):
             w = heapq.heappop(timers)[2]
-            if not w.done:
+            if type(w) is _Conn:
+                if not w.done:
+                    log.debug("store client %s sent no hello in %g s", w.peer,
+                              self.hello_timeout)
+                    self._drop(w)
+            elif not w.done:
                 self._retire(w)
                 watch = w.watch
                 missing = [k for k in watch.keys[watch.pos:] if k not in self._data]
