@@ -359,3 +359,10 @@ def test_multi_get_of_values_larger_together_than_the_value_limit():
         s.set("b", b"\x01" * (1 << 20))
         a, b = s.multi_get(["a", "b"])
         assert (len(a), len(b), b[:1]) == (1 << 20, 1 << 20, b"\x01")
+
+
+def test_compare_set_of_two_values_at_the_limit():
+    with TCPStore("127.0.0.1", 0, is_server=True, timeout=20, max_value_bytes=1 << 20) as s:
+        old, new = bytes(1 << 20), b"\x01" * (1 << 20)
+        s.set("k", old)
+        assert s.compare_set("k", old, new) == new

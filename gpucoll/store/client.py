@@ -121,7 +121,7 @@ class TCPStore:
         """Atomically set ``desired`` if ``key`` holds ``expected`` (or is unset and
         ``expected`` is empty); returns the value ``key`` holds afterwards."""
         what = f"compare_set({key!r})"
-        args = [_key(key), _bytes(expected, what), self._value(desired, what)]
+        args = [_key(key), self._value(expected, what), self._value(desired, what)]
         return self._call(Op.COMPARE_SET, args, None, what)[0]
 
     def delete_key(self, key: str) -> bool:

@@ -242,7 +242,7 @@ class StoreServer:
         if self._token and not hmac.compare_digest(args[1], self._token):
             raise FrameError("wrong or missing store token", frame.rid)
         conn.authed = True
-        conn.reader.limit = self.max_value_bytes + FRAME_SLACK
+        conn.reader.limit = 2 * self.max_value_bytes + FRAME_SLACK  # compare_set: two values
         self._reply(conn, Status.OK, frame.rid, [str(self.max_value_bytes).encode()])
 
     # ----------------------------------------------------------------- replies
