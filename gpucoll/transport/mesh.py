@@ -100,6 +100,7 @@ class Mesh:
         self.bell = os.eventfd(0, os.EFD_NONBLOCK | os.EFD_CLOEXEC)
         self.local_ranks = 1
         self._listeners: list[socket.socket] = []
+        self._unwrapped: dict[int, socket.socket] = {}
         try:
             self._build(store, timeout)
         except BaseException:
@@ -117,21 +118,21 @@ class Mesh:
         nonce = uuid.uuid4().bytes
         prefix = os.environ.get("GPUCOLL_SHM_PREFIX", "gpucoll")
         tcp_listener = tcp.listen_tcp(2 * size + 16)
-        unix_name = f"{prefix}-{nonce.hex()}-{rank}"
-        unix_listener = _listen_unix(unix_name, 2 * size + 16)
-        self._listeners = [tcp_listener, unix_listener]
+        self._listeners.append(tcp_listener)
+        unix_name = f"{prefix[:40]}-{nonce.hex()}-{rank}"  # abstract names hold 107 bytes
+        self._listeners.append(_listen_unix(unix_name, 2 * size + 16))
         me = {"host": advertised_host(store), "port": tcp_listener.getsockname()[1],
               "unix": unix_name, "id": host_identity(), "nonce": nonce.hex()}
         store.set(f"ring/addr/{rank}", json.dumps(me))
         peers = self._gather_addresses(store, deadline)
         kinds = [self._pair_kind(me, peers[j], j) for j in range(size)]
         self.local_ranks = sum(1 for p in peers if p["id"] == me["id"])
-        data: dict[int, socket.socket] = {}
+        data = self._unwrapped  # data sockets until they become links (closed on failure)
         for j in range(rank):
             self._connect(j, peers[j], kinds[j], data, deadline)
         self._accept(kinds, nonce, data, deadline)
-        for j, sock in data.items():
-            self.links[j] = tcp.TcpLink(j, sock)
+        for j in list(data):
+            self.links[j] = tcp.TcpLink(j, data.pop(j))
         shm_peers = [j for j in range(size) if kinds[j] == "shm"]
         if shm_peers:
             self._share_rings(shm_peers, prefix, deadline)
@@ -262,6 +263,9 @@ class Mesh:
             except OSError:
                 pass
         self.control = {}
+        for sock in self._unwrapped.values():
+            sock.close()
+        self._unwrapped = {}
         if self.bell >= 0:
             os.close(self.bell)
             self.bell = -1

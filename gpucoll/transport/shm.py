@@ -88,7 +88,6 @@ class ShmLink:
         self._pos = 0  # bytes this side consumed from rx
         # both rings of a pair have the same size, so both ends agree on this limit
         self.whole = min(WHOLE, tx.cap // 2, rx.cap // 2)
-        self.peer_closed = False
 
     def _ring_peer(self) -> None:
         try:
