@@ -18,6 +18,7 @@ from gpucoll.transport.shm import WHOLE
 
 # below this many bytes per rank, one round of direct messages beats the ring's 2(n-1) steps
 DIRECT_BYTES = 64 << 10
+DIRECT_TOTAL = 1 << 20  # ... and at most this many bytes sent by one rank in that round
 CHAIN_CHUNK = 4 << 20  # bytes per round of the reduce chain (its scratch size)
 
 
@@ -74,7 +75,9 @@ def bounds(count: int, parts: int) -> list[tuple[int, int]]:
 
 
 def use_direct(nbytes: int, size: int) -> bool:
-    return nbytes <= DIRECT_BYTES and size <= 16
+    """One round of messages to every peer while that stays cheap in bytes; the ring's
+    2(n-1) rounds otherwise."""
+    return nbytes <= DIRECT_BYTES and nbytes * (size - 1) <= DIRECT_TOTAL
 
 
 # -- all_reduce -----------------------------------------------------------------------------
