@@ -211,13 +211,18 @@ class Engine:
         Ops on one link in one direction are messages in that order: each starts when the one
         before it is complete; all others progress together.
         """
-        pending, queues = [], {}
-        for op in ops:
-            if op.nbytes:
-                queue = queues.setdefault((id(op.link), op.sending), collections.deque())
-                queue.append(op)
-        for queue in queues.values():
-            self._start_next(queue, pending)
+        pending = [op for op in ops if op.nbytes]
+        queues = None
+        if len({(id(op.link), op.sending) for op in pending}) < len(pending):
+            queues, pending = {}, []
+            for op in ops:
+                if op.nbytes:
+                    queues.setdefault((id(op.link), op.sending), collections.deque()).append(op)
+            for queue in queues.values():
+                self._start_next(queue, pending)
+        else:
+            for op in pending:
+                op.link.begin(op.sending, op.nbytes)
         idle_since = 0.0
         while pending:
             try:
@@ -228,7 +233,8 @@ class Engine:
                 for op in [op for op in pending if op.off >= op.nbytes]:
                     pending.remove(op)
                     op.finish()
-                    self._start_next(queues[id(op.link), op.sending], pending)
+                    if queues is not None:
+                        self._start_next(queues[id(op.link), op.sending], pending)
                 idle_since = 0.0
                 continue
             idle_since = self._idle(pending, idle_since, deadline, opname)
