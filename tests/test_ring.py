@@ -3,12 +3,11 @@
 
 from __future__ import annotations
 
-import dataclasses
-
 import numpy as np
 import pytest
 from multiproc import spawn
 
+from gpucoll.arrays import as_ref
 from gpucoll.ops import ReduceOp
 
 TRANSPORTS = ["shm", "tcp"]
@@ -17,23 +16,9 @@ WORLDS = [1, 2, 3, 4]
 COUNTS = [0, 1, 7, 4099, 16385, 300_007]
 
 
-@dataclasses.dataclass(frozen=True)
-class Ref:
-    """The four ArrayRef fields a backend reads."""
-
-    host: np.ndarray
-
-    @property
-    def count(self) -> int:
-        return self.host.size
-
-    @property
-    def dtype(self) -> np.dtype:
-        return self.host.dtype
-
-    @property
-    def nbytes(self) -> int:
-        return self.host.nbytes
+def ref(arr: np.ndarray):
+    """The ArrayRef the communicator would hand the backend for ``arr``."""
+    return as_ref(arr, "x")
 
 
 def open_backend(rank: int, n: int, addr: str, transport: str, timeout: float = 30.0):
@@ -72,7 +57,7 @@ def _run_collectives(rank, n, addr, transport, dtype):
 def _check_all_reduce(b, rank, n, count, dtype):
     for op, fold in ((ReduceOp.SUM, np.add), (ReduceOp.MAX, np.maximum)):
         x = data(rank, count, dtype)
-        b.all_reduce(Ref(x), op, timeout=30)
+        b.all_reduce(ref(x), op, timeout=30)
         expected = data(0, count, dtype)
         for r in range(1, n):
             expected = fold(expected, data(r, count, dtype))
@@ -82,14 +67,14 @@ def _check_all_reduce(b, rank, n, count, dtype):
 def _check_broadcast(b, rank, n, count, dtype):
     root = n - 1
     x = data(rank, count, dtype)
-    b.broadcast(Ref(x), root, timeout=30)
+    b.broadcast(ref(x), root, timeout=30)
     np.testing.assert_array_equal(x, data(root, count, dtype))
 
 
 def _check_reduce(b, rank, n, count, dtype):
     root = n // 2
     x = data(rank, count, dtype)
-    b.reduce(Ref(x), root, ReduceOp.SUM, timeout=30)
+    b.reduce(ref(x), root, ReduceOp.SUM, timeout=30)
     expected = sum(data(r, count, dtype) for r in range(n)) if rank == root else data(
         rank, count, dtype)
     np.testing.assert_array_equal(x, np.asarray(expected, dtype))
@@ -97,14 +82,14 @@ def _check_reduce(b, rank, n, count, dtype):
 
 def _check_all_gather(b, rank, n, count, dtype):
     out = np.full(n * count, -1, dtype)
-    b.all_gather(Ref(data(rank, count, dtype)), Ref(out), timeout=30)
+    b.all_gather(ref(data(rank, count, dtype)), ref(out), timeout=30)
     np.testing.assert_array_equal(out, np.concatenate([data(r, count, dtype) for r in range(n)]))
 
 
 def _check_gather(b, rank, n, count, dtype):
     root = (1 % n)
     out = np.full(n * count, -1, dtype) if rank == root else None
-    b.gather(Ref(data(rank, count, dtype)), Ref(out) if out is not None else None, root,
+    b.gather(ref(data(rank, count, dtype)), ref(out) if out is not None else None, root,
              timeout=30)
     if rank == root:
         np.testing.assert_array_equal(out, np.concatenate([data(r, count, dtype)
@@ -113,9 +98,9 @@ def _check_gather(b, rank, n, count, dtype):
 
 def _check_scatter(b, rank, n, count, dtype):
     root = 0
-    x = Ref(data(0, n * count, dtype)) if rank == root else None
+    x = ref(data(0, n * count, dtype)) if rank == root else None
     out = np.full(count, -1, dtype)
-    b.scatter(x, Ref(out), root, timeout=30)
+    b.scatter(x, ref(out), root, timeout=30)
     np.testing.assert_array_equal(out, data(0, n * count, dtype)[rank * count:(rank + 1) * count])
 
 
@@ -123,7 +108,7 @@ def _check_reduce_scatter(b, rank, n, count, dtype):
     x = data(rank, n * count, dtype)
     before = x.copy()
     out = np.full(count, -1, dtype)
-    b.reduce_scatter(Ref(x), Ref(out), ReduceOp.SUM, timeout=30)
+    b.reduce_scatter(ref(x), ref(out), ReduceOp.SUM, timeout=30)
     total = sum(data(r, n * count, dtype) for r in range(n))
     np.testing.assert_array_equal(out, np.asarray(total, dtype)[rank * count:(rank + 1) * count])
     np.testing.assert_array_equal(x, before)
@@ -131,7 +116,7 @@ def _check_reduce_scatter(b, rank, n, count, dtype):
 
 def _check_all_to_all(b, rank, n, count, dtype):
     out = np.full(n * count, -1, dtype)
-    b.all_to_all(Ref(data(rank, n * count, dtype)), Ref(out), timeout=30)
+    b.all_to_all(ref(data(rank, n * count, dtype)), ref(out), timeout=30)
     expected = np.concatenate([data(j, n * count, dtype)[rank * count:(rank + 1) * count]
                                for j in range(n)])
     np.testing.assert_array_equal(out, expected)
@@ -145,11 +130,11 @@ def _check_send_recv(b, rank, n, count, dtype):
     got = np.full(count, -1, dtype)
     nxt, prv = (rank + 1) % n, (rank - 1) % n
     if rank % 2 == 0:
-        b.send(Ref(x), nxt, timeout=30)
-        b.recv(Ref(got), prv, timeout=30)
+        b.send(ref(x), nxt, timeout=30)
+        b.recv(ref(got), prv, timeout=30)
     else:
-        b.recv(Ref(got), prv, timeout=30)
-        b.send(Ref(x), nxt, timeout=30)
+        b.recv(ref(got), prv, timeout=30)
+        b.send(ref(x), nxt, timeout=30)
     np.testing.assert_array_equal(got, data(prv, count, dtype))
 
 
@@ -195,7 +180,7 @@ def _all_reduce_dtypes(rank, n, addr, transport):
                     if op is ReduceOp.MAX and dtype.kind == "c":
                         continue
                     x = data(rank, count, dtype)
-                    b.all_reduce(Ref(x), op, timeout=30)
+                    b.all_reduce(ref(x), op, timeout=30)
                     expected = data(0, count, dtype)
                     for r in range(1, n):
                         expected = fold(expected, data(r, count, dtype))
@@ -216,7 +201,7 @@ def _random_all_reduce(rank, n, addr, transport, op):
         results = []
         for count in (1001, 250_001):
             x = np.random.default_rng(rank + 10 * count).standard_normal(count).astype(np.float32)
-            b.all_reduce(Ref(x), op, timeout=30)
+            b.all_reduce(ref(x), op, timeout=30)
             results.append(x)
         return results
     finally:
@@ -246,10 +231,10 @@ def _async_in_order(rank, n, addr):
     store, b = open_backend(rank, n, addr, "shm")
     try:
         xs = [np.full(10_000 * (i % 3 + 1), i + rank, np.int64) for i in range(8)]
-        works = [b.run_async(lambda x=x: b.all_reduce(Ref(x), ReduceOp.SUM, timeout=30))
+        works = [b.run_async(lambda x=x: b.all_reduce(ref(x), ReduceOp.SUM, timeout=30))
                  for x in xs]
         last = np.zeros(1, np.int64)
-        b.run_sync(lambda: b.all_reduce(Ref(last), ReduceOp.MAX, timeout=30))
+        b.run_sync(lambda: b.all_reduce(ref(last), ReduceOp.MAX, timeout=30))
         done_before_sync = all(w.is_completed() for w in works)
         for w in works:
             w.wait(30)
@@ -275,7 +260,7 @@ def _split_in_two(rank, n, addr):
         sub = b.split(PrefixStore(f"sub{color}", store), members.index(rank), len(members),
                       color, 0, timeout=30)
         x = np.array([rank], np.int64)
-        sub.all_reduce(Ref(x), ReduceOp.SUM, timeout=30)
+        sub.all_reduce(ref(x), ReduceOp.SUM, timeout=30)
         sub.close()
         none = b.split(PrefixStore("none", store), None, 0, None, 0, timeout=30)
         return int(x[0]), none
@@ -325,7 +310,7 @@ def _reduce_in_many_chunks(rank, n, addr, transport):
             _check_reduce(b, rank, n, 70_001, np.dtype("int32"))
             b.barrier(timeout=30)
             x = data(rank, 70_001, np.dtype("float64"))
-            b.reduce(Ref(x), root, ReduceOp.MAX, timeout=30)
+            b.reduce(ref(x), root, ReduceOp.MAX, timeout=30)
             if rank == root:
                 np.testing.assert_array_equal(x, np.max([data(r, 70_001, np.dtype("float64"))
                                                          for r in range(n)], axis=0))
@@ -345,11 +330,11 @@ def _beyond_64_mib(rank, n, addr, transport):
         count = (64 << 20) // 4 + 3
         x = np.full(count, rank + 1, np.float32)
         x[::7] = -rank
-        b.all_reduce(Ref(x), ReduceOp.SUM, timeout=60)
+        b.all_reduce(ref(x), ReduceOp.SUM, timeout=60)
         expected = np.full(count, n * (n + 1) / 2, np.float32)
         expected[::7] = -n * (n - 1) / 2
         np.testing.assert_array_equal(x, expected)
-        b.broadcast(Ref(x), n - 1, timeout=60)
+        b.broadcast(ref(x), n - 1, timeout=60)
         np.testing.assert_array_equal(x, expected)
     finally:
         b.close()

@@ -11,7 +11,7 @@ import time
 import numpy as np
 import pytest
 from multiproc import spawn
-from test_ring import Ref, open_backend
+from test_ring import open_backend, ref
 
 from gpucoll.errors import CollectiveTimeout, GpucollError, PeerFailure
 from gpucoll.ops import ReduceOp
@@ -33,7 +33,7 @@ def _loop_until_error(b, victim: int, rank: int, sig: int):
     try:
         for _ in range(100_000):
             x[:] = 1
-            b.all_reduce(Ref(x), ReduceOp.SUM, timeout=LONG)
+            b.all_reduce(ref(x), ReduceOp.SUM, timeout=LONG)
     except (GpucollError, KeyboardInterrupt) as exc:
         return exc
     return None
@@ -91,7 +91,7 @@ def _send_to_self(rank, n, addr):
     store, b = open_backend(rank, n, addr, "shm")
     try:
         try:
-            b.send(Ref(np.zeros(3, np.float32)), rank, timeout=30)
+            b.send(ref(np.zeros(3, np.float32)), rank, timeout=30)
         except ValueError as exc:
             message = str(exc)
         b.barrier(timeout=30)  # still usable
@@ -127,7 +127,7 @@ def _time_out_on_rank0(rank, n, addr):
     try:
         if rank == 0:
             try:
-                b.all_reduce(Ref(np.zeros(4, np.float32)), ReduceOp.SUM, timeout=0.3)
+                b.all_reduce(ref(np.zeros(4, np.float32)), ReduceOp.SUM, timeout=0.3)
             except CollectiveTimeout as exc:
                 return exc
             finally:
@@ -135,7 +135,7 @@ def _time_out_on_rank0(rank, n, addr):
             return None
         store.get("rank0-done", timeout=LONG)  # rank 1 joins only after rank 0 gave up
         try:  # more data than rank 0 ever sent, so this waits until rank 0's abort arrives
-            b.all_reduce(Ref(np.zeros(1 << 16, np.float32)), ReduceOp.SUM, timeout=LONG)
+            b.all_reduce(ref(np.zeros(1 << 16, np.float32)), ReduceOp.SUM, timeout=LONG)
         except PeerFailure as exc:
             return exc
         return None
@@ -165,7 +165,7 @@ def _abort_while_waiting(rank, n, addr):
         threading.Thread(target=lambda: (time.sleep(0.2), b.abort("user asked")),
                          daemon=True).start()
         try:
-            b.all_reduce(Ref(np.zeros(4, np.float32)), ReduceOp.SUM, timeout=LONG)
+            b.all_reduce(ref(np.zeros(4, np.float32)), ReduceOp.SUM, timeout=LONG)
         except GpucollError as exc:
             return exc
         finally:
@@ -231,7 +231,7 @@ def _close_during_a_call(rank, n, addr):
 
         def stuck():
             try:
-                b.all_reduce(Ref(np.zeros(4, np.float32)), ReduceOp.SUM, timeout=LONG)
+                b.all_reduce(ref(np.zeros(4, np.float32)), ReduceOp.SUM, timeout=LONG)
             except GpucollError as exc:
                 outcome.append(exc)
 
@@ -260,7 +260,7 @@ def _peer_closed_early(rank, n, addr, transport):
             return None
         store.get("rank1-closed", timeout=LONG)
         try:
-            b.all_reduce(Ref(np.zeros(1000, np.float32)), ReduceOp.SUM, timeout=LONG)
+            b.all_reduce(ref(np.zeros(1000, np.float32)), ReduceOp.SUM, timeout=LONG)
         except PeerFailure as exc:
             return exc
         return None
