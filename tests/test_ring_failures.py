@@ -274,3 +274,43 @@ def test_waiting_on_a_peer_that_closed_is_a_peer_failure_not_a_hang(store_addr, 
     err, _ = spawn(_peer_closed_early, 2, store_addr, transport, timeout=30)
     assert isinstance(err, PeerFailure) and err.peer == 1, repr(err)
     assert "closed" in str(err)
+
+
+def _fork_then_die(rank, n, addr):
+    store, b = open_backend(rank, n, addr, "shm", timeout=LONG)
+    try:
+        if rank == 1:
+            # a child process (think data loader) inherits this rank's descriptors and outlives
+            # it; only the fork handler keeps the rank's death visible to its peers
+            if os.fork() == 0:
+                _wait_then_exit(addr)
+            store.set("forked", "1")
+            os.kill(os.getpid(), signal.SIGKILL)
+        store.get("forked", timeout=LONG)
+        try:
+            b.all_reduce(ref(np.zeros(1 << 16, np.float32)), ReduceOp.SUM, timeout=LONG)
+        except PeerFailure as exc:
+            return exc
+        finally:
+            store.set("survivor-done", "1")
+        return None
+    finally:
+        b.close()
+        store.close()
+
+
+def _wait_then_exit(addr: str) -> None:
+    from gpucoll.store import TCPStore
+
+    try:
+        host, port = addr.removeprefix("tcp://").rsplit(":", 1)
+        with TCPStore(host, int(port), timeout=25) as own:
+            own.get("survivor-done", timeout=25)
+    finally:
+        os._exit(0)
+
+
+def test_a_dead_rank_is_noticed_even_if_its_forked_child_lives_on(store_addr):
+    outcomes = spawn(_fork_then_die, 2, store_addr, timeout=15, check=False)
+    err = outcomes[0].value
+    assert isinstance(err, PeerFailure) and err.peer == 1, outcomes[0].trace or repr(err)

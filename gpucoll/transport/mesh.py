@@ -15,6 +15,7 @@ import select
 import socket
 import time
 import uuid
+import weakref
 
 from gpucoll.errors import BackendUnavailable, CollectiveTimeout, PeerFailure
 from gpucoll.transport import shm, tcp
@@ -82,6 +83,19 @@ def advertised_host(store) -> str:
         return "127.0.0.1"
 
 
+_LIVE: weakref.WeakSet = weakref.WeakSet()  # meshes of this process, for fork handling
+
+
+def _drop_inherited() -> None:
+    """In a forked child (a data loader, say): close the parent's connections, so that the
+    parent's death still closes them and its peers notice at once."""
+    for mesh in list(_LIVE):
+        mesh.drop_inherited()
+
+
+os.register_at_fork(after_in_child=_drop_inherited)
+
+
 def _listen_unix(name: str, backlog: int) -> socket.socket:
     sock = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
     sock.bind("\0" + name)
@@ -101,6 +115,7 @@ class Mesh:
         self.local_ranks = 1
         self._listeners: list[socket.socket] = []
         self._unwrapped: dict[int, socket.socket] = {}
+        _LIVE.add(self)
         try:
             self._build(store, timeout)
         except BaseException:
@@ -251,6 +266,23 @@ class Mesh:
             ring.close()
 
     # -- tear-down -------------------------------------------------------------------------
+    def drop_inherited(self) -> None:
+        """Close this process's copies of every socket and the doorbell, telling nobody."""
+        socks = [*self.control.values(), *self._unwrapped.values(), *self._listeners]
+        socks += [link.sock for link in self.links if link is not None and link.kind == "tcp"]
+        for sock in socks:
+            try:
+                sock.close()
+            except OSError:
+                pass
+        for link in self.links:
+            if link is not None and link.kind == "shm" and link.bell >= 0:
+                os.close(link.bell)
+                link.bell = -1  # the number may be reused by the child's own files
+        if self.bell >= 0:
+            os.close(self.bell)
+            self.bell = -1
+
     def close(self) -> None:
         """Close every link, control connection and the doorbell; idempotent."""
         for i, link in enumerate(self.links):

@@ -220,7 +220,6 @@ class ShmLink:
     def close(self) -> None:
         self.tx.close()
         self.rx.close()
-        try:
+        if self.bell >= 0:
             os.close(self.bell)
-        except OSError:
-            pass
+            self.bell = -1
