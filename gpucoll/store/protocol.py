@@ -31,8 +31,8 @@ FRAME_SLACK = 1 << 20
 # before the token is checked a peer may send only this much (a hello is tiny)
 HELLO_LIMIT = 64 << 10
 _RECV_CHUNK = 64 << 10  # recv(n) allocates n bytes first: larger costs more than it saves
-# payloads at least this large are read straight into their own buffer, without copies
-_BIG_PAYLOAD = 1 << 20
+# payloads larger than one receive go straight into a buffer of their own: no regrowing
+_BIG_PAYLOAD = _RECV_CHUNK
 # arguments joined into one buffer below this total; above it they are sent as a list
 _JOIN_BELOW = 256 << 10
 
