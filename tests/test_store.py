@@ -366,3 +366,11 @@ def test_compare_set_of_two_values_at_the_limit():
         old, new = bytes(1 << 20), b"\x01" * (1 << 20)
         s.set("k", old)
         assert s.compare_set("k", old, new) == new
+
+
+def test_sets_sent_just_before_close_are_applied(store_server):
+    for i in range(20):
+        c = TCPStore("127.0.0.1", store_server.port, timeout=10)
+        c.set(f"last-words/{i}", b"x" * 1000)
+        c.close()
+    assert store_server.check([f"last-words/{i}" for i in range(20)])

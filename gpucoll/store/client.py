@@ -153,10 +153,17 @@ class TCPStore:
         return int(self._call(Op.NUM_KEYS, [], None, "num_keys")[0])
 
     def close(self) -> None:
-        """Close the connection and, on the hosting rank, stop the server. Idempotent."""
+        """Close the connection once the server has applied this store's sets and, on the
+        hosting rank, stop the server. Idempotent."""
         if self._closed:
             return
         self._closed = True
+        if self._conn.unconfirmed:
+            # a round trip, so the sets just sent are applied before the connection goes
+            try:
+                self._call(Op.NUM_KEYS, [], min(self.timeout, 5.0), "close")
+            except StoreError:
+                pass
         self._conn.close()
         if self._server is not None:
             self._server.close()

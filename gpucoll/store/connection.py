@@ -57,6 +57,7 @@ class Connection:
         self._next_rid = 1
         self._reading = False
         self._error: str | None = None
+        self.unconfirmed = False  # a fire-and-forget request was sent since the last reply
         hello = [VERSION, (token or "").encode()]
         try:
             status, args = self.request(Op.HELLO, hello, deadline, "connect")
@@ -74,6 +75,7 @@ class Connection:
         connection, reported by the next call)."""
         if self._error is not None:
             self._raise_if_broken(what)
+        self.unconfirmed = True
         self._send(bufs, what)
 
     def request(self, op: int, args: list[bytes], deadline: float,
@@ -94,6 +96,7 @@ class Connection:
                 self._read_until(slot, deadline, what)
             else:
                 self._await(slot, deadline, what)
+            self.unconfirmed = False  # the server answers a connection's requests in order
         finally:
             with self._lock:
                 del self._pending[rid]
