@@ -374,3 +374,41 @@ def test_sets_sent_just_before_close_are_applied(store_server):
         c.set(f"last-words/{i}", b"x" * 1000)
         c.close()
     assert store_server.check([f"last-words/{i}" for i in range(20)])
+
+
+def test_answered_waits_do_not_pile_up_behind_a_long_one(store_server):
+    """A wait that never ends (say, for an abort key) must not keep every later answered
+    wait's bookkeeping alive in the server."""
+    import socket
+
+    from gpucoll.store.protocol import HEADER, VERSION, Op, encode, pack_timeout
+
+    server = store_server._server
+    sock = socket.create_connection(("127.0.0.1", store_server.port), timeout=30)
+    sock.sendall(encode(Op.HELLO, 1, [VERSION, b""])[0])
+    sock.recv(1024)
+    sock.sendall(encode(Op.WAIT, 2, [pack_timeout(600), b"abort"])[0])
+    for rnd in range(3):
+        keys = [f"r{rnd}/{i}".encode() for i in range(5000)]
+        sock.sendall(b"".join(encode(Op.GET, 10 + i, [pack_timeout(600), k])[0]
+                              for i, k in enumerate(keys)))
+        store_server.multi_set([k.decode() for k in keys], [b"1"] * len(keys))
+        got = 0
+        buf = b""
+        while got < len(keys):  # read every reply: all gets answered
+            buf += sock.recv(1 << 16)
+            while len(buf) >= HEADER.size and len(buf) >= HEADER.size + HEADER.unpack_from(
+                    buf)[0]:
+                buf = buf[HEADER.size + HEADER.unpack_from(buf)[0]:]
+                got += 1
+    sock.close()
+    assert len(server._timers) < 10000  # 15000 answered entries would be there otherwise
+
+
+def test_timed_out_waits_leave_nothing_parked(store_server):
+    server = store_server._server
+    for i in range(20):
+        with pytest.raises(StoreTimeout):
+            store_server.wait([f"never/{i}"], timeout=0.01)
+    assert not any(k.startswith(b"never/") for k in server._parked)
+    assert not server._watches

@@ -74,6 +74,7 @@ class StoreServer:
         self._watches: dict[bytes, Watch] = {}
         self._timers: list[tuple[float, int, Waiter | _Conn]] = []
         self._seq = itertools.count()
+        self._compact_at = 4096
         self._conns: dict[int, _Conn] = {}  # by file descriptor
         self._stop = False
         self._accepting = True
@@ -181,8 +182,7 @@ class StoreServer:
             conn = _Conn(sock, f"{addr[0]}:{addr[1]}")
             self._conns[conn.fd] = conn
             self._poller.register(conn.fd, self._poller.IN)
-            deadline = time.monotonic() + self.hello_timeout
-            heapq.heappush(self._timers, (deadline, next(self._seq), conn))
+            self._add_timer(time.monotonic() + self.hello_timeout, conn)
 
     def _drop(self, conn: _Conn) -> None:
         if conn.closed:
@@ -390,7 +390,7 @@ class StoreServer:
         if fresh and self._advance(watch):
             return
         self._watches[ident] = watch
-        heapq.heappush(self._timers, (w.deadline, next(self._seq), w))
+        self._add_timer(w.deadline, w)
 
     def _advance(self, watch: Watch) -> bool:
         """Move past the keys now present; answer every member if none is missing (True),
@@ -438,7 +438,24 @@ class StoreServer:
         watch = w.watch
         watch.live -= 1
         if watch.live == 0 and self._watches.get(watch.ident) is watch:
-            del self._watches[watch.ident]  # nobody waits: the next request starts afresh
+            # nobody waits: forget the watch, the next request starts afresh
+            del self._watches[watch.ident]
+            key = watch.keys[watch.pos]
+            parked = self._parked.get(key)
+            if parked is not None and watch in parked:
+                parked.remove(watch)
+                if not parked:
+                    del self._parked[key]
+
+    def _add_timer(self, deadline: float, item: Waiter | _Conn) -> None:
+        timers = self._timers
+        if len(timers) >= self._compact_at:
+            # Answered requests leave their entries behind until their deadline comes up;
+            # drop them now and then, or frequent barriers would grow the heap without bound.
+            timers[:] = [t for t in timers if not t[2].done]
+            heapq.heapify(timers)
+            self._compact_at = max(4096, 2 * len(timers))
+        heapq.heappush(timers, (deadline, next(self._seq), item))
 
     def _expire(self, now: float) -> None:
         timers = self._timers
