@@ -169,9 +169,6 @@ class TCPStore:
             self._server.close()
 
     # ----------------------------------------------------------------- internals
-    def _deadline(self, timeout: float | None) -> float:
-        return time.monotonic() + (self.timeout if timeout is None else timeout)
-
     def _value(self, value: bytes | str, what: str) -> bytes:
         data = _bytes(value, what)
         if len(data) > self._conn.max_value_bytes:
