@@ -131,7 +131,7 @@ class FrameReader:
 
     def __init__(self, limit: int):
         self.limit = limit
-        self._buf = bytearray()
+        self._buf: bytes | bytearray = b""  # an unfinished frame's first bytes
         self._big: bytearray | None = None
         self._fill = 0
         self._head: tuple[int, int, int] = (0, 0, 0)
@@ -146,8 +146,12 @@ class FrameReader:
         if self._buf:
             self._buf += data
             data = self._buf
+        elif len(data) >= HEADER_SIZE:  # the common case: exactly one whole frame
+            plen, code, rid, argc = HEADER.unpack_from(data)
+            if len(data) == HEADER_SIZE + plen and plen <= self.limit:
+                return [Frame(code, rid, argc, data[HEADER_SIZE:])]
         frames, pos = self._parse(data)
-        self._buf = bytearray(data[pos:]) if pos < len(data) else bytearray()
+        self._buf = bytearray(data[pos:]) if pos < len(data) else b""
         return frames
 
     def _parse(self, data: bytes | bytearray) -> tuple[list[Frame], int]:
