@@ -40,7 +40,8 @@ def _runtime() -> Any:
     return runtime
 
 
-def _devices() -> list[dict[str, Any]]:
+def devices() -> list[dict[str, Any]]:
+    """Index, name, memory, compute capability and PCI bus id of every visible CUDA device."""
     rt = _runtime()
     found = []
     for i in range(rt.getDeviceCount()):
@@ -77,7 +78,7 @@ def collect() -> dict[str, Any]:
         "cuda_driver": _probe(lambda: _cuda_version(_runtime().driverGetVersion())),
         "cuda_runtime": _probe(lambda: _cuda_version(_runtime().runtimeGetVersion())),
         "nccl": _probe(_nccl),
-        "devices": _probe(_devices),
+        "devices": _probe(devices),
         "auto_backend": "nccl" if usable else "ring",
         "auto_reason": (f"this process can use NCCL ({why}); auto picks it when every rank can"
                         if usable else f"NCCL is not usable here: {why}"),

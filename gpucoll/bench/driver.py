@@ -16,6 +16,7 @@ import tempfile
 import time
 from typing import Any
 
+from gpucoll import cuda
 from gpucoll.bench import ceilings, peers
 from gpucoll.bench.engine import case_total
 from gpucoll.bench.libraries import machine
@@ -30,11 +31,7 @@ POLL_S = 0.1
 
 def default_ranks() -> int:
     """Every visible GPU when CuPy can use them, else 2 ranks on the host ring."""
-    if device_available():
-        import cupy
-
-        return int(cupy.cuda.runtime.getDeviceCount())
-    return 2
+    return cuda.runtime().device_count() or 2
 
 
 def command(library: str, nranks: int, opts: BenchOptions, results: str) -> list[str]:

@@ -14,6 +14,9 @@ import sys
 from collections.abc import Callable
 from typing import Any
 
+from gpucoll import info
+from gpucoll.backends import nccl_auto
+
 
 def versions(*modules: str) -> dict[str, str]:
     """Installed versions of ``modules`` (absent ones left out), plus Python's."""
@@ -116,7 +119,7 @@ def nccl_version() -> str:
         code = nccl.get_version()
     except Exception:
         return ""
-    return f"{code // 10000}.{code // 100 % 100}.{code % 100}"
+    return nccl_auto.nccl_version(code)
 
 
 def machine() -> dict[str, Any]:
@@ -147,9 +150,6 @@ def cpu_model() -> str:
 def gpu_names() -> list[str]:
     """Names of the visible CUDA devices; empty without CuPy or a device (never raises)."""
     try:
-        import cupy
-
-        count = cupy.cuda.runtime.getDeviceCount()
-        return [cupy.cuda.runtime.getDeviceProperties(i)["name"].decode() for i in range(count)]
+        return [d["name"] for d in info.devices()]
     except Exception:
         return []

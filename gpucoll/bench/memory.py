@@ -12,6 +12,8 @@ from typing import Any
 
 import numpy as np
 
+from gpucoll import cuda
+
 
 class HostMemory:
     """NumPy buffers; operations complete when the call returns."""
@@ -107,12 +109,7 @@ class CudaEventTimer:
 
 def device_available() -> bool:
     """True when CuPy imports and sees at least one CUDA device (never raises)."""
-    try:
-        import cupy
-
-        return cupy.cuda.runtime.getDeviceCount() > 0
-    except Exception:
-        return False
+    return cuda.runtime().available()[0]
 
 
 def memory_for(kind: str) -> HostMemory | DeviceMemory:
