@@ -116,10 +116,10 @@ class TcpLink:
         except (ConnectionError, OSError) as exc:
             raise self._dead(exc) from None
 
-    def recv_copy(self, mv: memoryview, off: int, end: int) -> int:
-        """Receive straight into ``mv[off:end]``; bytes received."""
+    def _recv_into(self, view: memoryview, want: int) -> int:
+        """Up to ``want`` bytes the kernel holds now (0 if none); PeerFailure at end of stream."""
         try:
-            n = self.sock.recv_into(mv[off:end], min(end - off, PIECE))
+            n = self.sock.recv_into(view, want)
         except BlockingIOError:
             return 0
         except (ConnectionError, OSError) as exc:
@@ -127,6 +127,10 @@ class TcpLink:
         if n == 0:
             raise self._dead()
         return n
+
+    def recv_copy(self, mv: memoryview, off: int, end: int) -> int:
+        """Receive straight into ``mv[off:end]``; bytes received."""
+        return self._recv_into(mv[off:end], min(end - off, PIECE))
 
     def recv_reduce(self, acc: np.ndarray, src: np.ndarray, ufunc, off: int, end: int) -> int:
         """Receive bytes ``off:end`` of a message and fold them into ``acc`` (elements).
@@ -137,14 +141,9 @@ class TcpLink:
         item = acc.itemsize
         staged = self._staged
         want = min(end - off, STAGING - staged)
-        try:
-            n = self.sock.recv_into(self._stage_mv[staged:staged + want], want)
-        except BlockingIOError:
-            return 0
-        except (ConnectionError, OSError) as exc:
-            raise self._dead(exc) from None
+        n = self._recv_into(self._stage_mv[staged:staged + want], want)
         if n == 0:
-            raise self._dead()
+            return 0
         have = staged + n
         whole = have - have % item
         if whole:
