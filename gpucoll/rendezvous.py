@@ -50,8 +50,12 @@ class Rendezvous:
 
     @property
     def store_address(self) -> str:
-        host = f"[{self.store_host}]" if ":" in self.store_host else self.store_host
-        return f"tcp://{host}:{self.store_port}"
+        return store_url(self.store_host, self.store_port)
+
+
+def store_url(host: str, port: int) -> str:
+    """The address as ``GPUCOLL_STORE`` gives it: ``tcp://host:port``, an IPv6 host in [...]."""
+    return f"tcp://[{host}]:{port}" if ":" in host else f"tcp://{host}:{port}"
 
 
 @dataclasses.dataclass(frozen=True)
@@ -287,4 +291,4 @@ def _is_loopback(host: str) -> bool:
 
 
 __all__ = ["DEFAULT_PORT", "Rendezvous", "RendezvousError", "connect_store", "expand_hostlist",
-           "from_env"]
+           "from_env", "store_url"]

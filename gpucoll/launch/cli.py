@@ -13,6 +13,7 @@ from gpucoll.errors import StoreError
 from gpucoll.launch.config import LaunchConfig, LaunchError, validate
 from gpucoll.launch.jobstore import JobStore, new_token, torch_port
 from gpucoll.launch.supervisor import Job, console
+from gpucoll.rendezvous import store_url
 
 EPILOG = """\
 Each rank gets GPUCOLL_RANK, GPUCOLL_WORLD_SIZE, GPUCOLL_LOCAL_RANK, GPUCOLL_LOCAL_WORLD_SIZE,
@@ -102,8 +103,8 @@ def run_job(cfg: LaunchConfig, job: Job) -> int:
     try:
         host, port = store.address
         if cfg.nnodes > 1 and cfg.node_rank == 0:
-            job.console.write("stderr", f"gpucoll run: store listening at tcp://{host}:{port}"
-                              f"\n".encode())
+            job.console.write("stderr", f"gpucoll run: store listening at "
+                              f"{store_url(host, port)}\n".encode())
         job.on_failure = store.abort
         store.watch(job.events)
         job.launch((host, port), token, torch_port(cfg, port))

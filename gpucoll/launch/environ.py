@@ -8,6 +8,7 @@ from __future__ import annotations
 
 from gpucoll.launch.config import LaunchConfig
 from gpucoll.launch.devices import device_env
+from gpucoll.rendezvous import store_url
 
 
 def rank_env(cfg: LaunchConfig, local_rank: int, store: tuple[str, int], token: str,
@@ -21,7 +22,7 @@ def rank_env(cfg: LaunchConfig, local_rank: int, store: tuple[str, int], token: 
         "GPUCOLL_LOCAL_RANK": str(local_rank),
         "GPUCOLL_LOCAL_WORLD_SIZE": str(cfg.nproc),
         "GPUCOLL_NODE_RANK": str(cfg.node_rank),
-        "GPUCOLL_STORE": f"tcp://{host}:{port}",
+        "GPUCOLL_STORE": store_url(host, port),
         "GPUCOLL_STORE_TOKEN": token,
         # torchrun's names
         "RANK": str(rank),
