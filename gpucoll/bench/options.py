@@ -186,6 +186,16 @@ def build_parser() -> argparse.ArgumentParser:
         epilog="Example: gpucoll bench all_reduce -b 8 -e 128M -f 2 -g 2 --peers --plot bw.png")
     p.add_argument("ops", nargs="*", default=[],
                    help=f"operations ({', '.join(OPS)}, or all); default all_reduce")
+    _add_nccl_tests_flags(p)
+    _add_gpucoll_flags(p)
+    p.add_argument("--library", default="gpucoll", choices=LIBRARIES, help=argparse.SUPPRESS)
+    p.add_argument("--results", help=argparse.SUPPRESS)
+    p.add_argument("--gloo-init", help=argparse.SUPPRESS)
+    return p
+
+
+def _add_nccl_tests_flags(p: argparse.ArgumentParser) -> None:
+    """The flags nccl-tests' all_reduce_perf takes, with its defaults where they apply."""
     g = p.add_argument_group("nccl-tests flags")
     g.add_argument("-b", "--minbytes", type=parse_size, default=BenchOptions.minbytes,
                    help="smallest size (default 32M)")
@@ -215,6 +225,10 @@ def build_parser() -> argparse.ArgumentParser:
                    help="ranks to start (default: every visible GPU, else 2 on the host ring); "
                         "inside `gpucoll run` the ranks given are used")
     g.add_argument("-t", "--nthreads", type=int, default=1, help="only 1 (one rank a process)")
+
+
+def _add_gpucoll_flags(p: argparse.ArgumentParser) -> None:
+    """What to run on (backend, transport, memory), what to compare with, where results go."""
     m = p.add_argument_group("gpucoll")
     m.add_argument("--backend", default="auto", choices=("auto", "nccl", "ring"))
     m.add_argument("--transport", default="auto", choices=("auto", "shm", "tcp"))
@@ -234,10 +248,6 @@ def build_parser() -> argparse.ArgumentParser:
                    help="skip the host memory and device copy ceilings")
     m.add_argument("--timeout", type=float, default=BenchOptions.timeout,
                    help="seconds any one collective may take (default 300)")
-    p.add_argument("--library", default="gpucoll", choices=LIBRARIES, help=argparse.SUPPRESS)
-    p.add_argument("--results", help=argparse.SUPPRESS)
-    p.add_argument("--gloo-init", help=argparse.SUPPRESS)
-    return p
 
 
 def parse_args(argv: list[str]) -> BenchOptions:
