@@ -25,13 +25,21 @@ def fmt(a) -> str:
 def main() -> int:
     args = parse_args(__doc__)
     comm, xp = start(args.device)
-    r, n = comm.rank, comm.size
     wrong = []
 
     def expect(op: str, got, want) -> None:
         if not np.array_equal(to_host(got), np.asarray(want)):
             wrong.append(f"{op}: got {fmt(got)}, want {np.asarray(want).tolist()}")
 
+    reductions(comm, xp, expect)
+    gathers_and_scatters(comm, xp, expect)
+    point_to_point_and_async(comm, xp, expect)
+    done = f"11 collectives on {comm.size} ranks gave the expected values"
+    return finish(comm, xp, "quickstart", not wrong, "; ".join(wrong) or done)
+
+
+def reductions(comm, xp, expect) -> None:
+    r, n = comm.rank, comm.size
     x = xp.full(2, r + 1, dtype=xp.float32)
     before = x.copy()
     comm.all_reduce(x, op="sum")
@@ -57,6 +65,9 @@ def main() -> int:
     if r == 0:
         expect("reduce", x, np.full(2, n * (n + 1) / 2))
 
+
+def gathers_and_scatters(comm, xp, expect) -> None:
+    r, n = comm.rank, comm.size
     x = xp.asarray([r, r * r], dtype=xp.int32)
     got = comm.all_gather(x)
     show(comm, "all_gather", x, got)
@@ -82,6 +93,9 @@ def main() -> int:
     show(comm, "all_to_all", x, got)
     expect("all_to_all", got, [[10 * j + r] for j in range(n)])
 
+
+def point_to_point_and_async(comm, xp, expect) -> None:
+    r, n = comm.rank, comm.size
     # point to point around a ring: send right, receive from the left (overlapped)
     x = xp.full(1, r, dtype=xp.int32)
     got = xp.empty_like(x)
@@ -96,9 +110,6 @@ def main() -> int:
     work.wait()
     show(comm, "all_reduce(avg, async)", xp.full(2, float(r)), x)
     expect("all_reduce avg", x, np.full(2, (n - 1) / 2))
-
-    return finish(comm, xp, "quickstart", not wrong,
-                  "; ".join(wrong) or f"11 collectives on {n} ranks gave the expected values")
 
 
 if __name__ == "__main__":
