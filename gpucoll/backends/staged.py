@@ -172,7 +172,7 @@ class StagedBackend(Backend):
         if backs:  # the pinned buffers must outlive the copies
             _wait(rt.record_event(s), deadline, "host-to-device copy", self.rank)
 
-    # ---- the rest delegates --------------------------------------------------------------
+    # ---- streams and pinned buffers ------------------------------------------------------
 
     def _stream(self, rt: Any, ref: ArrayRef, stream: Any) -> int:
         if stream is None:
@@ -186,6 +186,8 @@ class StagedBackend(Backend):
         if self._pair is None or self._pair[0].mem.nbytes < nbytes:
             self._pair = [_Pinned(rt, nbytes), _Pinned(rt, nbytes)]
         return self._pair
+
+    # ---- the rest delegates --------------------------------------------------------------
 
     def barrier(self, *, timeout: float) -> None:
         self.inner.barrier(timeout=timeout)
