@@ -10,7 +10,7 @@ from __future__ import annotations
 import math
 from typing import Any
 
-from gpucoll.arrays import ArrayRef, as_ref, check_dtype, empty_like
+from gpucoll.arrays import ArrayRef, as_ref, check_dtype, empty_ref
 from gpucoll.ops import ReduceOp, check_op_dtype, parse_op
 
 # (op as passed, dtype) -> ReduceOp, for pairs already found valid: the check is per call
@@ -87,7 +87,7 @@ class Call:
         """The result buffer: the caller's ``out`` checked against the expected shape and
         dtype, or a new array like ``like``."""
         if out is None:
-            return as_ref(empty_like(like, shape), "out")
+            return empty_ref(like, shape)
         try:
             ref = as_ref(out, "out")
         except (TypeError, ValueError) as exc:

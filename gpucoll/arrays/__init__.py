@@ -24,7 +24,7 @@ SUPPORTED_DTYPES = (
 _SUPPORTED = frozenset(SUPPORTED_DTYPES)
 
 
-@dataclasses.dataclass(frozen=True, slots=True)
+@dataclasses.dataclass(frozen=True, slots=True, init=False)
 class ArrayRef:
     """A C-contiguous buffer: the caller's object and where its elements live.
 
@@ -43,10 +43,31 @@ class ArrayRef:
     device: int | None = None
     stream: int | None = None
 
+    def __init__(self, array: Any, kind: str, ptr: int, shape: tuple[int, ...], dtype: np.dtype,
+                 count: int, nbytes: int, host: np.ndarray | None = None,
+                 device: int | None = None, stream: int | None = None):
+        # Two are built per call: the slots' own setters cost half of the frozen dataclass's
+        # generated __init__ (which goes through object.__setattr__ by name).
+        _set_array(self, array)
+        _set_kind(self, kind)
+        _set_ptr(self, ptr)
+        _set_shape(self, shape)
+        _set_dtype(self, dtype)
+        _set_count(self, count)
+        _set_nbytes(self, nbytes)
+        _set_host(self, host)
+        _set_device(self, device)
+        _set_stream(self, stream)
+
     @property
     def writable(self) -> bool:
         """False for read-only host memory (bytes, read-only NumPy views)."""
         return self.host is None or self.host.flags.writeable
+
+
+(_set_array, _set_kind, _set_ptr, _set_shape, _set_dtype, _set_count, _set_nbytes, _set_host,
+ _set_device, _set_stream) = (getattr(ArrayRef, f.name).__set__
+                              for f in dataclasses.fields(ArrayRef))
 
 
 class Adapter(abc.ABC):
@@ -63,9 +84,19 @@ class Adapter(abc.ABC):
         """A reference to ``obj``'s elements; a non-contiguous ``obj`` is copied when ``copy``,
         else ValueError naming ``name``."""
 
+    def ref_if_claimed(self, obj: Any, name: str, copy: bool) -> ArrayRef | None:
+        """``ref(obj, ...)`` when this adapter claims ``obj``, else None (one step, so that an
+        adapter can read the object's array interface once for both)."""
+        return self.ref(obj, name, copy=copy) if self.claims(obj) else None
+
     @abc.abstractmethod
     def empty(self, ref: ArrayRef, shape: tuple[int, ...]) -> Any:
         """A new, uninitialised array like ``ref``'s (same library, dtype and device)."""
+
+    def empty_ref(self, ref: ArrayRef, shape: tuple[int, ...]) -> ArrayRef:
+        """A reference to ``empty(ref, shape)``; adapters that know the new array's layout
+        build it directly instead of reading the new array's interface back."""
+        return self.ref(self.empty(ref, shape), "out", copy=False)
 
     @abc.abstractmethod
     def new(self, shape: tuple[int, ...], dtype: np.dtype) -> Any:
@@ -82,6 +113,7 @@ class Adapter(abc.ABC):
 
 
 _adapters: list[tuple[int, Adapter]] = []
+_ordered: list[Adapter] = []  # _adapters' adapters, highest priority first
 _by_kind: dict[str, Adapter] = {}
 _plugins_loaded = False
 _PLUGINS = ("gpucoll.arrays.device",)
@@ -91,6 +123,7 @@ def register_adapter(adapter: Adapter, *, priority: int = 0) -> None:
     """Add an adapter; higher ``priority`` is asked first (device adapters sit above host)."""
     _adapters.append((priority, adapter))
     _adapters.sort(key=lambda item: -item[0])
+    _ordered[:] = [a for _, a in _adapters]
     _by_kind.setdefault(adapter.kind, adapter)
 
 
@@ -113,9 +146,10 @@ def as_ref(obj: Any, name: str, *, copy: bool = False) -> ArrayRef:
         return _host.ref(obj, name, copy=copy)
     if not _plugins_loaded:
         _load_plugins()
-    for _, adapter in _adapters:
-        if adapter.claims(obj):
-            return adapter.ref(obj, name, copy=copy)
+    for adapter in _ordered:
+        ref = adapter.ref_if_claimed(obj, name, copy)
+        if ref is not None:
+            return ref
     raise TypeError(
         f"{name} must be an array (NumPy, CuPy, or an object with the buffer protocol, "
         f"__array_interface__, __cuda_array_interface__ or DLPack), got {type(obj).__name__}"
@@ -136,6 +170,11 @@ def flat_view(ref: ArrayRef, start: int, count: int) -> ArrayRef:
 def empty_like(ref: ArrayRef, shape: tuple[int, ...]) -> Any:
     """A new array of the caller's kind (NumPy for host, same library and device otherwise)."""
     return _by_kind[ref.kind].empty(ref, tuple(shape))
+
+
+def empty_ref(ref: ArrayRef, shape: tuple[int, ...]) -> ArrayRef:
+    """``as_ref(empty_like(ref, shape), "out")``, built without reading the new array back."""
+    return _by_kind[ref.kind].empty_ref(ref, tuple(shape))
 
 
 def new_array(kind: str, shape: tuple[int, ...], dtype: np.dtype) -> Any:
@@ -187,6 +226,7 @@ __all__ = [
     "check_dtype",
     "dtype_from_name",
     "empty_like",
+    "empty_ref",
     "flat_view",
     "new_array",
     "register_adapter",

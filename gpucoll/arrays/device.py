@@ -21,6 +21,8 @@ _DLPACK_CUDA = (2, 13)  # DLDeviceType kDLCUDA, kDLCUDAManaged
 
 
 _LIBRARIES: dict[type, str] = {}
+_MISSING = object()
+_OWN_ALLOCATORS = ("torch", "numba")  # libraries whose new arrays ``empty`` makes natively
 
 
 def _library(obj: Any) -> str:
@@ -46,6 +48,8 @@ def _dtype(obj: Any, cai: dict) -> np.dtype:
     """The element type: the object's own ``dtype`` when NumPy understands it (keeps
     bfloat16 apart from other 2-byte void types), else the interface's typestr."""
     own = getattr(obj, "dtype", None)
+    if isinstance(own, np.dtype):  # CuPy's, and most others': already the answer
+        return own
     if own is not None:
         try:
             return np.dtype(own)
@@ -71,20 +75,31 @@ class DeviceAdapter(Adapter):
     def claims(self, obj: Any) -> bool:
         return hasattr(obj, "__cuda_array_interface__") or _dlpack_on_cuda(obj)
 
+    def ref_if_claimed(self, obj: Any, name: str, copy: bool) -> ArrayRef | None:
+        # the interface is often a property building a new dict: read it once, not three times
+        cai = getattr(obj, "__cuda_array_interface__", _MISSING)
+        if cai is not _MISSING:
+            return self._ref(obj, obj, cai, name, copy)
+        return self.ref(obj, name, copy=copy) if _dlpack_on_cuda(obj) else None
+
     def ref(self, obj: Any, name: str, *, copy: bool) -> ArrayRef:
         source = obj
         if not hasattr(obj, "__cuda_array_interface__"):  # DLPack only: view it through CuPy
             import cupy
 
             obj = cupy.from_dlpack(obj)
-        cai = obj.__cuda_array_interface__
+        return self._ref(source, obj, obj.__cuda_array_interface__, name, copy)
+
+    def _ref(self, source: Any, obj: Any, cai: dict, name: str, copy: bool) -> ArrayRef:
+        """The reference to ``source``, whose CAI view is ``obj`` with interface ``cai``."""
         shape = tuple(cai["shape"])
         dtype = _dtype(obj, cai)
-        if not _c_contiguous(shape, cai.get("strides"), dtype.itemsize):
+        strides = cai.get("strides")
+        if strides is not None and not _c_contiguous(shape, strides, dtype.itemsize):
             if not copy:
                 raise ValueError(
                     f"{name} must be C-contiguous; got shape {shape} with strides "
-                    f"{cai.get('strides')} (pass a contiguous copy)"
+                    f"{strides} (pass a contiguous copy)"
                 )
             return self.ref(_contiguous_copy(obj), name, copy=False)
         ptr = int(cai["data"][0])
@@ -92,6 +107,17 @@ class DeviceAdapter(Adapter):
         stream = None if _library(obj) == "cupy" else cai.get("stream")
         return ArrayRef(source, "device", ptr, shape, dtype, count, count * dtype.itemsize,
                         None, _device_of(obj, ptr), stream)
+
+    def empty_ref(self, ref: ArrayRef, shape: tuple[int, ...]) -> ArrayRef:
+        if _library(ref.array) in _OWN_ALLOCATORS:  # their arrays carry their own stream
+            return super().empty_ref(ref, shape)
+        rt = cuda.runtime()
+        device = ref.device if ref.device is not None else rt.current_device()
+        new = rt.empty(shape, ref.dtype, device)
+        # fresh memory from the runtime (CuPy's pool): nothing produced it, so no stream
+        count = math.prod(shape)
+        return ArrayRef(new, "device", _pointer(new), shape, ref.dtype, count,
+                        count * ref.dtype.itemsize, None, device, None)
 
     def empty(self, ref: ArrayRef, shape: tuple[int, ...]) -> Any:
         lib, like = _library(ref.array), ref.array
@@ -123,6 +149,13 @@ class DeviceAdapter(Adapter):
             return
         target = cupy.asarray(obj)
         target[...] = cupy.asarray(ref.array).reshape(target.shape)
+
+
+def _pointer(new: Any) -> int:
+    """The device address of an array the runtime just allocated."""
+    if _library(new) == "cupy":
+        return int(new.data.ptr)  # cheaper than building CuPy's interface dict
+    return int(new.__cuda_array_interface__["data"][0])
 
 
 def _contiguous_copy(obj: Any) -> Any:
