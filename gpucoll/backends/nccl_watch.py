@@ -28,6 +28,7 @@ NCCL_RESULT_NAMES = {
 NCCL_REMOTE_ERROR = 6
 NCCL_TIMEOUT = 8
 POLL_MAX = 0.05  # seconds between polls of a pending event, at most
+LINGER = 0.01  # seconds the watchdog keeps polling after its queue empties, before it idles
 
 
 class NcclFailure(GpucollError):
@@ -111,6 +112,10 @@ class Watchdog:
         delay = 0.0005
         while True:
             with self._cond:
+                if not self._pending and not self._closed:
+                    # stay awake a moment first: calls in quick succession then add their
+                    # events without waking this thread each time
+                    self._cond.wait(LINGER)
                 self._idle = True
                 while not self._pending and not self._closed:
                     self._cond.wait()
@@ -128,9 +133,18 @@ class Watchdog:
                     self._cond.wait(delay)
                     delay = min(delay * 2, POLL_MAX)
                     continue
-                if self._pending and self._pending[0] is head:
-                    self._pending.popleft()
+                self._retire()
             delay = 0.0005
+
+    def _retire(self) -> None:
+        """Drop every finished call at the head of the queue in one go (under the lock):
+        one pass per wake-up, not one per call, keeps this thread off the callers' GIL."""
+        pending = self._pending
+        try:
+            while pending and pending[0].event.done():
+                pending.popleft()
+        except Exception:  # noqa: BLE001 - _inspect reports it once that call is the head
+            pass
 
     def _inspect(self, head: Pending) -> GpucollError | None:
         try:
