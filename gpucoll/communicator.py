@@ -46,6 +46,8 @@ class Communicator:
         self.rank: int = backend.rank
         self.size: int = backend.size
         self.backend: str = backend.name
+        self._backend_reason: str = getattr(backend, "backend_reason", None) or (
+            f"the {backend.name} backend was given to the Communicator directly")
         self.timeout = check_timeout(timeout, "timeout", "Communicator")
         self._store = store
         self._owned_store = owned_store
@@ -55,6 +57,7 @@ class Communicator:
         self._splits = 0
         self._children: list[Communicator] = []
         self._calls: dict[str, Call] = {}
+        self._headers: dict[tuple, str] = {}  # scatter headers by (dtype, shape, kind)
         self._check = SignatureCheck(store, self.rank, self.size) if (
             debug_enabled() if debug is None else debug) else None
 
@@ -257,8 +260,15 @@ class Communicator:
             return None
         sub = Communicator(made[0], sub_store, timeout=self.timeout,
                            debug=self._check is not None)
+        sub._backend_reason = f"split from a {self.backend} communicator: {self.backend_reason}"
         self._children = [child for child in self._children if not child.closed] + [sub]
         return sub
+
+    @property
+    def backend_reason(self) -> str:
+        """Why this communicator runs on ``backend``: requested by name, or what
+        ``backend="auto"`` found on the ranks (e.g. which rank cannot use NCCL)."""
+        return self._backend_reason
 
     @property
     def closed(self) -> bool:
@@ -343,8 +353,7 @@ class Communicator:
             return res
         key = f"scatter/{n}"
         if self.rank == root:
-            head = {"dtype": res.dtype.name, "shape": list(res.shape), "kind": src.kind}
-            self._store.set(key, json.dumps(head))
+            self._store.set(key, self._header(res, src.kind))
             return res
         try:
             head = json.loads(self._store.get(key, timeout=t))
@@ -361,6 +370,17 @@ class Communicator:
             raise c.fail(ValueError, f"out is {res.dtype.name}{list(res.shape)} but root {root} "
                                      f"scatters slots of {dtype.name}{list(shape)}")
         return res
+
+    def _header(self, res: ArrayRef, kind: str) -> str:
+        """scatter's slot description as JSON, encoded once per (dtype, shape, kind)."""
+        facts = (res.dtype, res.shape, kind)
+        head = self._headers.get(facts)
+        if head is None:
+            if len(self._headers) >= 64:  # a program scattering many shapes: keep it bounded
+                self._headers.clear()
+            head = self._headers[facts] = json.dumps(
+                {"dtype": res.dtype.name, "shape": list(res.shape), "kind": kind})
+        return head
 
     def _share(self, key: str, value: Any, t: float, c: Call) -> list[Any]:
         """Every rank's ``value`` (JSON) in rank order, through the store; collective."""

@@ -71,10 +71,19 @@ def choose_backend(requested: str, store: Any, rank: int, size: int) -> tuple[st
 
 def create_backend(requested: str, store: Any, rank: int, size: int, *, timeout: float,
                    device: Any = None) -> Backend:
-    """Build the backend for ``requested`` ("auto", "ring", "nccl"); collective over the group."""
+    """Build the backend for ``requested`` ("auto", "ring", "nccl"); collective over the group.
+
+    The backend's ``backend_reason`` says why it was chosen (the Communicator shows it); the
+    choice is logged once, at INFO, on the ``gpucoll`` logger.
+    """
     name, reason = choose_backend(requested_name(requested), store, rank, size)
-    logging.getLogger("gpucoll").debug("rank %d of %d: backend %s (%s)", rank, size, name, reason)
-    return FACTORIES[name](store, rank, size, timeout=timeout, device=device)
+    backend = FACTORIES[name](store, rank, size, timeout=timeout, device=device)
+    try:
+        backend.backend_reason = reason
+    except AttributeError:  # a registered backend with __slots__: the Communicator says less
+        pass
+    logging.getLogger("gpucoll").info("rank %d of %d: backend %s (%s)", rank, size, name, reason)
+    return backend
 
 
 __all__ = ["Backend", "FACTORIES", "NAMES", "choose_backend", "create_backend",
