@@ -3,30 +3,45 @@
 What is measured is everything gpucoll does around ``ncclAllReduce`` & co: argument checks,
 turning the array into a pointer, resolving the stream, recording the completion event and
 handing it to the watchdog. NCCL's and CUDA's own cost is left out (their calls return at once),
-so this runs without a GPU. Target: at most 10 us per call.
+and so is CuPy's own cost of allocating a result (the stand-in allocator hands out a block of
+one arena, like a warm memory pool, without touching memory), so this runs without a GPU. The
+calls run on rank 0 of a two-rank communicator whose NCCL does nothing, so the grouped
+send/recv paths of gather, scatter and all-to-all run as they would across GPUs. Target: at
+most 10 us per call.
 
-    python benchmarks/call_overhead.py [--calls 20000] [--json call_overhead.json]
+    python benchmarks/call_overhead.py [--calls 20000] [--json results/call_overhead.json]
 """
 
 from __future__ import annotations
 
 import argparse
+import contextlib
 import json
+import math
 import os
 import platform
+import re
+import select
 import statistics
+import subprocess
+import sys
 import time
+from collections.abc import Iterator
+from pathlib import Path
 from typing import Any
 
 import numpy as np
 
 from gpucoll import cuda
 from gpucoll.arrays import as_ref
-from gpucoll.default import create
+from gpucoll.backends.nccl import NcclBackend
+from gpucoll.communicator import Communicator
 from gpucoll.ops import ReduceOp
-from gpucoll.store import TCPStore
+from gpucoll.store import PrefixStore, TCPStore
 
 TARGET_US = 10.0
+DEFAULT_JSON = Path(__file__).resolve().parent.parent / "results" / "call_overhead.json"
+WORLD = 2  # ranks of the no-op communicator; this process is rank 0
 
 
 class _DoneEvent:
@@ -74,16 +89,21 @@ class _NoopNccl:
 
 
 class _DeviceBuffer:
-    """A device array as another library would hand it over: CAI v3, no stream named."""
+    """A device array as another library would hand it over: CAI v3, no stream named.
 
-    def __init__(self, shape: tuple, dtype: Any):
-        self.host = np.zeros(shape, dtype)  # real memory behind the pointer, never touched
+    Its memory is real (host memory behind the pointer) but never touched: NCCL and CUDA do
+    nothing here. ``ptr`` given: a block of the caller's arena instead of memory of its own.
+    """
+
+    def __init__(self, shape: tuple, dtype: Any, ptr: int | None = None):
+        self.dtype, self.shape = np.dtype(dtype), tuple(shape)
+        if ptr is None:
+            self.host = np.zeros(shape, dtype)
+            ptr = self.host.__array_interface__["data"][0]
         self.__cuda_array_interface__ = {
-            "shape": self.host.shape, "typestr": self.host.dtype.str, "version": 3,
-            "data": (self.host.__array_interface__["data"][0], False), "strides": None,
-            "stream": None,
+            "shape": self.shape, "typestr": self.dtype.str, "version": 3,
+            "data": (ptr, False), "strides": None, "stream": None,
         }
-        self.dtype, self.shape = self.host.dtype, self.host.shape
 
 
 class NoopRuntime:
@@ -102,7 +122,14 @@ class NoopRuntime:
     def wait_event(self, stream, event): pass  # noqa: E704
     def memcpy_async(self, dst, src, nbytes, stream): pass  # noqa: E704
     def pointer_device(self, ptr): return 0  # noqa: E704
-    def empty(self, shape, dtype, device): return _DeviceBuffer(shape, dtype)  # noqa: E704
+    _arena = np.zeros(1 << 20, np.uint8)  # every allocation's memory (never touched)
+    _arena_ptr = _arena.__array_interface__["data"][0]
+
+    def empty(self, shape, dtype, device):
+        if math.prod(shape) * np.dtype(dtype).itemsize > self._arena.nbytes:
+            raise ValueError("the no-op runtime's arena is too small for this benchmark")
+        return _DeviceBuffer(shape, dtype, self._arena_ptr)
+
     def nccl(self): return _NoopNccl()  # noqa: E704
 
 
@@ -119,45 +146,100 @@ def _time(fn, calls: int, repeats: int = 5) -> float:
     return statistics.median(runs)
 
 
+def cases(comm: Communicator, backend: NcclBackend) -> list[tuple[str, Any]]:
+    """(name, call) for every collective, with and without ``out=``, on rank 0 of ``WORLD``."""
+    n = comm.size
+    x = _DeviceBuffer((1024,), np.float32)
+    slots = _DeviceBuffer((n, 1024), np.float32)  # one 1024-element slot per rank
+    out_slot = _DeviceBuffer((1024,), np.float32)
+    out_all = _DeviceBuffer((n, 1024), np.float32)
+    ref = as_ref(x, "x")
+    return [
+        ("backend.all_reduce (ArrayRef given)",
+         lambda: backend.all_reduce(ref, ReduceOp.SUM, timeout=60.0)),
+        ("as_ref(CAI array)", lambda: as_ref(x, "x")),
+        ("comm.all_reduce(x)", lambda: comm.all_reduce(x)),
+        ("comm.all_reduce(x, op='max')", lambda: comm.all_reduce(x, "max")),
+        ("comm.all_reduce(x, stream=s)", lambda: comm.all_reduce(x, stream=7)),
+        ("comm.all_reduce(x, async_op=True)", lambda: comm.all_reduce(x, async_op=True)),
+        ("comm.reduce(x, root=0)", lambda: comm.reduce(x, root=0)),
+        ("comm.broadcast(x, root=0)", lambda: comm.broadcast(x, root=0)),
+        ("comm.all_gather(x) (allocates out)", lambda: comm.all_gather(x)),
+        ("comm.all_gather(x, out=)", lambda: comm.all_gather(x, out=out_all)),
+        ("comm.gather(x, root=0) (allocates out)", lambda: comm.gather(x, root=0)),
+        ("comm.gather(x, root=0, out=)", lambda: comm.gather(x, root=0, out=out_all)),
+        ("comm.reduce_scatter(x) (allocates out)", lambda: comm.reduce_scatter(slots)),
+        ("comm.reduce_scatter(x, out=)", lambda: comm.reduce_scatter(slots, out=out_slot)),
+        ("comm.all_to_all(x) (allocates out)", lambda: comm.all_to_all(slots)),
+        ("comm.all_to_all(x, out=)", lambda: comm.all_to_all(slots, out=out_all)),
+        ("comm.scatter(x, root=0) (allocates out)", lambda: comm.scatter(slots, root=0)),
+        ("comm.scatter(x, root=0, out=)", lambda: comm.scatter(slots, root=0, out=out_slot)),
+        ("comm.send(x, dst=1)", lambda: comm.send(x, 1)),
+        ("comm.recv(x, src=1)", lambda: comm.recv(x, 1)),
+    ]
+
+
+@contextlib.contextmanager
+def store_process(timeout: float = 30.0) -> Iterator[TCPStore]:
+    """A client of a store served by another process, as under ``gpucoll run`` (only
+    scatter talks to the store per call; an in-process server would add its own work)."""
+    env = {k: v for k, v in os.environ.items() if k != "GPUCOLL_STORE_TOKEN"}
+    proc = subprocess.Popen(
+        [sys.executable, "-m", "gpucoll.store.cli", "--host", "127.0.0.1", "--port", "0"],
+        stdout=subprocess.PIPE, text=True, env=env)
+    try:
+        ready, _, _ = select.select([proc.stdout], [], [], timeout)
+        line = proc.stdout.readline() if ready else ""
+        match = re.search(r"tcp://127\.0\.0\.1:(\d+)", line)
+        if match is None:
+            raise RuntimeError(f"the store process did not start within {timeout:g} s: {line!r}")
+        with TCPStore("127.0.0.1", int(match.group(1)), timeout=timeout) as client:
+            yield client
+    finally:
+        proc.terminate()
+        try:
+            proc.wait(timeout=10)
+        except subprocess.TimeoutExpired:
+            proc.kill()
+            proc.wait()
+
+
 def measure(calls: int) -> list[dict[str, Any]]:
-    server = TCPStore("127.0.0.1", 0, is_server=True, timeout=30)
+    with store_process() as client:
+        return _measure(client, calls)
+
+
+def _measure(client: TCPStore, calls: int) -> list[dict[str, Any]]:
     previous = cuda.set_runtime(NoopRuntime())
     try:
-        comm = create("nccl", rank=0, world_size=1, store=server, timeout=60)
-        backend = comm._backend
-        x = _DeviceBuffer((1024,), np.float32)
-        ref = as_ref(x, "x")
-        cases = [
-            ("backend.all_reduce (ArrayRef given)",
-             lambda: backend.all_reduce(ref, ReduceOp.SUM, timeout=60.0)),
-            ("as_ref(CAI array)", lambda: as_ref(x, "x")),
-            ("comm.all_reduce(x)", lambda: comm.all_reduce(x)),
-            ("comm.all_reduce(x, stream=s)", lambda: comm.all_reduce(x, stream=7)),
-            ("comm.all_reduce(x, async_op=True)", lambda: comm.all_reduce(x, async_op=True)),
-            ("comm.broadcast(x, root=0)", lambda: comm.broadcast(x, root=0)),
-            ("comm.all_gather(x) (allocates out)", lambda: comm.all_gather(x)),
-        ]
-        rows = [{"case": name, "us_per_call": round(_time(fn, calls), 3)} for name, fn in cases]
+        store = PrefixStore("call_overhead", client)
+        # rank 0 of WORLD: the NCCL communicator is given, so nobody else needs to start up
+        backend = NcclBackend(store, 0, WORLD, timeout=60.0, _comm=_NoopComm(WORLD, b"", 0))
+        comm = Communicator(backend, store, timeout=60.0)
+        rows = [{"case": name, "us_per_call": round(_time(fn, calls), 3)}
+                for name, fn in cases(comm, backend)]
         comm.close()
         return rows
     finally:
         cuda.set_runtime(previous)
-        server.close()
 
 
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     parser.add_argument("--calls", type=int, default=20000, help="calls per timed run")
-    parser.add_argument("--json", default="call_overhead.json", help="where to write results")
+    parser.add_argument("--json", type=Path, default=DEFAULT_JSON,
+                        help=f"where to write results (default: {DEFAULT_JSON})")
     args = parser.parse_args(argv)
     rows = measure(args.calls)
-    print(f"{'case':<40} {'us/call':>8}  target <= {TARGET_US:g} us")
+    print(f"{'case':<42} {'us/call':>8}  target <= {TARGET_US:g} us, rank 0 of {WORLD}")
     for row in rows:
         flag = "" if row["us_per_call"] <= TARGET_US else "  over target"
-        print(f"{row['case']:<40} {row['us_per_call']:>8.2f}{flag}")
+        print(f"{row['case']:<42} {row['us_per_call']:>8.2f}{flag}")
     report = {"benchmark": "call_overhead", "target_us": TARGET_US, "calls": args.calls,
-              "python": platform.python_version(), "machine": platform.machine(),
-              "cpus": os.cpu_count(), "rows": rows}
+              "world_size": WORLD, "python": platform.python_version(),
+              "machine": platform.machine(), "cpus": os.cpu_count(),
+              "load_average": list(os.getloadavg()), "rows": rows}
+    args.json.parent.mkdir(parents=True, exist_ok=True)
     with open(args.json, "w") as f:
         json.dump(report, f, indent=2)
     print(f"wrote {args.json}")
