@@ -42,6 +42,8 @@ from gpucoll.store import PrefixStore, TCPStore
 TARGET_US = 10.0
 DEFAULT_JSON = Path(__file__).resolve().parent.parent / "results" / "call_overhead.json"
 WORLD = 2  # ranks of the no-op communicator; this process is rank 0
+# what scatter's root sends the other ranks through the store (their slot's layout)
+HEADER = '{"dtype": "float32", "shape": [1024], "kind": "device"}'
 
 
 class _DoneEvent:
@@ -174,6 +176,7 @@ def cases(comm: Communicator, backend: NcclBackend) -> list[tuple[str, Any]]:
         ("comm.all_to_all(x, out=)", lambda: comm.all_to_all(slots, out=out_all)),
         ("comm.scatter(x, root=0) (allocates out)", lambda: comm.scatter(slots, root=0)),
         ("comm.scatter(x, root=0, out=)", lambda: comm.scatter(slots, root=0, out=out_slot)),
+        ("  of which: store.set of its header", lambda: comm._store.set("header", HEADER)),
         ("comm.send(x, dst=1)", lambda: comm.send(x, 1)),
         ("comm.recv(x, src=1)", lambda: comm.recv(x, 1)),
     ]
