@@ -14,28 +14,18 @@ import threading
 import time
 
 from gpucoll.errors import StoreError, StoreTimeout
-from gpucoll.store.protocol import (
-    MAX_PAYLOAD,
-    NO_REPLY,
-    VERSION,
-    Frame,
-    FrameError,
-    FrameReader,
-    Op,
-    Status,
-    decode_args,
-    encode,
-)
+from gpucoll.store.protocol import NO_REPLY, VERSION, Op, Status, encode
+from gpucoll.store.stream import ReplyReader
 
 # longest single blocking recv; the deadline is re-checked after each
 _MAX_SLICE = 1.0
 
 
 class _Slot:
-    __slots__ = ("frame",)
+    __slots__ = ("reply",)
 
     def __init__(self):
-        self.frame: Frame | None = None
+        self.reply: tuple[int, list[bytes]] | None = None  # status, arguments
 
 
 class Connection:
@@ -49,7 +39,7 @@ class Connection:
         _set_timeo(self._sock, socket.SO_SNDTIMEO, min(max(timeout, 1.0), 60.0))
         self._rcv_timeo = 0.0
         # replies come from the server we chose: any size a frame can carry
-        self._reader = FrameReader(MAX_PAYLOAD)
+        self._reader = ReplyReader(self._sock)
         self._send_lock = threading.Lock()
         self._lock = threading.Lock()  # guards the fields below; C-level on the fast path
         self._cond = threading.Condition(self._lock)
@@ -104,11 +94,7 @@ class Connection:
                     self._reading = False
                     if self._pending:
                         self._cond.notify_all()
-        try:
-            return slot.frame.code, decode_args(slot.frame)
-        except FrameError as exc:
-            raise StoreError(f"store at {self.address} sent a malformed reply to {what}: "
-                             f"{exc}") from None
+        return slot.reply
 
     def close(self) -> None:
         """Break the connection; threads still waiting on it get a StoreError at once."""
@@ -121,6 +107,7 @@ class Connection:
         except OSError:
             pass
         self._sock.close()
+        self._reader.close()  # the socket's descriptor goes with its last file object
 
     # ----------------------------------------------------------------- internals
     def _raise_if_broken(self, what: str) -> None:
@@ -136,8 +123,7 @@ class Connection:
     def _send(self, bufs: list[bytes], what: str) -> None:
         with self._send_lock:
             try:
-                for buf in bufs:
-                    self._sock.sendall(buf)
+                _send_all(self._sock, bufs)
             except OSError as exc:
                 # a partly written frame leaves the stream unusable
                 self._broken(f"lost connection to store at {self.address} ({exc!r})")
@@ -147,13 +133,13 @@ class Connection:
         """Wait for another thread to read our reply, or take over reading when it stops."""
         while True:
             with self._cond:
-                while slot.frame is None and self._reading and self._error is None:
+                while slot.reply is None and self._reading and self._error is None:
                     remaining = deadline - time.monotonic()
                     if remaining <= 0:
                         raise StoreTimeout(f"{what}: no reply from store at {self.address} "
                                            f"by the deadline")
                     self._cond.wait(remaining)
-                if slot.frame is not None:
+                if slot.reply is not None:
                     return
                 self._raise_if_broken(what)
                 self._reading = True
@@ -166,7 +152,8 @@ class Connection:
                     self._cond.notify_all()
 
     def _read_until(self, slot: _Slot, deadline: float, what: str) -> None:
-        while slot.frame is None:
+        def tick() -> None:
+            """Before each receive: the deadline check and the receive's kernel timeout."""
             remaining = deadline - time.monotonic()
             if remaining <= 0:
                 raise StoreTimeout(f"{what}: no reply from store at {self.address} "
@@ -175,34 +162,55 @@ class Connection:
             if want != self._rcv_timeo:
                 _set_timeo(self._sock, socket.SO_RCVTIMEO, want)
                 self._rcv_timeo = want
+
+        while slot.reply is None:
+            tick()
             try:
-                frames = self._reader.read_from(self._sock)
-            except (BlockingIOError, InterruptedError):  # SO_RCVTIMEO passed: check the clock
-                continue
-            except (OSError, FrameError) as exc:
+                frame = self._reader.read_frame(tick)
+            except StoreTimeout:
+                if self._reader.torn:  # the rest of a reply is still on its way: unusable
+                    self._broken(f"lost connection to store at {self.address} (a reply "
+                                 f"stalled halfway past the deadline)")
+                raise
+            except (OSError, ValueError) as exc:  # ValueError: FrameError, or closed
                 self._broken(f"lost connection to store at {self.address} ({exc!r})")
                 self._raise_if_broken(what)
-            if frames is None:
+            if frame is None:
                 self._broken(f"lost connection to store at {self.address} "
                              f"(the server closed it)")
                 self._raise_if_broken(what)
-            self._deliver(frames, slot, what)
+            self._deliver(frame, slot, what)
 
-    def _deliver(self, frames: list[Frame], mine: _Slot, what: str) -> None:
-        if len(frames) == 1 and self._pending.get(frames[0].rid) is mine:
-            mine.frame = frames[0]  # our own reply: nobody else to wake
+    def _deliver(self, frame: tuple[int, int, list[bytes]], mine: _Slot, what: str) -> None:
+        code, rid, args = frame
+        if self._pending.get(rid) is mine:
+            mine.reply = (code, args)  # our own reply: nobody else to wake
             return
         with self._cond:
-            for frame in frames:
-                if frame.rid == NO_REPLY:  # an earlier fire-and-forget request failed
-                    self._error = (f"store at {self.address} rejected an earlier request: "
-                                   f"{_text(decode_args(frame))}")
-                    self._cond.notify_all()
-                    self._raise_if_broken(what)
-                target = self._pending.get(frame.rid)
-                if target is not None:  # else: a reply to a request given up on
-                    target.frame = frame
+            if rid == NO_REPLY:  # an earlier fire-and-forget request failed
+                self._error = (f"store at {self.address} rejected an earlier request: "
+                               f"{_text(args)}")
+                self._cond.notify_all()
+                self._raise_if_broken(what)
+            target = self._pending.get(rid)
+            if target is not None:  # else: a reply to a request given up on
+                target.reply = (code, args)
             self._cond.notify_all()
+
+
+def _send_all(sock: socket.socket, bufs: list[bytes]) -> None:
+    """Send a frame's buffers in order: one ``sendmsg`` (no joining of large values), then
+    whatever a partial send left over."""
+    if len(bufs) == 1:
+        sock.sendall(bufs[0])
+        return
+    sent = sock.sendmsg(bufs)
+    for buf in bufs:
+        if sent >= len(buf):
+            sent -= len(buf)
+            continue
+        sock.sendall(memoryview(buf)[sent:])
+        sent = 0
 
 
 def _set_timeo(sock: socket.socket, option: int, seconds: float) -> None:

@@ -30,11 +30,17 @@ DEFAULT_MAX_VALUE_BYTES = 256 << 20
 FRAME_SLACK = 1 << 20
 # before the token is checked a peer may send only this much (a hello is tiny)
 HELLO_LIMIT = 64 << 10
-_RECV_CHUNK = 64 << 10  # recv(n) allocates n bytes first: larger costs more than it saves
+RECV_CHUNK = 64 << 10  # recv(n) allocates n bytes first: larger costs more than it saves
 # payloads larger than one receive go straight into a buffer of their own: no regrowing
-_BIG_PAYLOAD = _RECV_CHUNK
+_BIG_PAYLOAD = RECV_CHUNK
 # arguments joined into one buffer below this total; above it they are sent as a list
 _JOIN_BELOW = 256 << 10
+# arguments at least this large are not copied out of a large frame's buffer (server side)
+BIG_ARG = 64 << 10
+# at most this many buffers per sendmsg (Linux refuses more than IOV_MAX = 1024)
+MAX_IOV = 512
+# one readable event reads at most this much of a large frame: other clients get their turn
+_FILL_PER_EVENT = 16 << 20
 
 
 class Op(enum.IntEnum):
@@ -92,13 +98,34 @@ def encode(code: int, rid: int, args: Sequence[bytes]) -> list[bytes]:
     return [head, *args]
 
 
-def encode_payload(args: Sequence[bytes]) -> tuple[int, bytes]:
-    """The argument count and payload of a frame, to put behind several headers."""
-    return len(args), struct.pack(f"<{len(args)}I", *map(len, args)) + b"".join(args)
+def encode_payload(args: Sequence[bytes]) -> tuple[int, int, list[bytes]]:
+    """A frame's payload, to put behind several headers: (argument count, payload bytes,
+    buffers). Large arguments stay buffers of their own (sent with scatter-gather, never
+    copied); runs of small ones are joined so a reply is a few buffers, not thousands."""
+    lengths = [len(a) for a in args]
+    size = 4 * len(args) + sum(lengths)
+    table = struct.pack(f"<{len(args)}I", *lengths)
+    if size < _JOIN_BELOW:
+        return len(args), size, [table + b"".join(args)]
+    bufs: list[bytes] = []
+    run: list[bytes] = [table]
+    for a in args:
+        if len(a) < BIG_ARG:
+            run.append(a)
+            continue
+        if run:
+            bufs.append(b"".join(run) if len(run) > 1 else run[0])
+        bufs.append(a)
+        run = []
+    if run:
+        bufs.append(b"".join(run))
+    return len(args), size, bufs
 
 
-def decode_args(frame: Frame) -> list[bytes]:
-    """Split a frame's payload into its arguments; FrameError when lengths do not add up."""
+def decode_args(frame: Frame, views: bool = False) -> list[bytes]:
+    """Split a frame's payload into its arguments; FrameError when lengths do not add up.
+    With ``views``, large arguments of a frame read into a bytearray come back as memoryviews
+    of it rather than copies (the server stores values that way: no copy of a big value)."""
     payload, argc = frame.payload, frame.argc
     if argc == 1 and type(payload) is bytes and len(payload) >= 4 \
             and _U32.unpack_from(payload)[0] == len(payload) - 4:
@@ -118,8 +145,11 @@ def decode_args(frame: Frame) -> list[bytes]:
     offsets = list(itertools.accumulate(lengths, initial=table))
     if type(payload) is bytes:  # slicing bytes gives bytes: one copy, no per-item overhead
         return [payload[a:b] for a, b in itertools.pairwise(offsets)]
-    with memoryview(payload) as view:  # a large frame read into a bytearray
-        return [bytes(view[a:b]) for a, b in itertools.pairwise(offsets)]
+    view = memoryview(payload)  # a large frame read into a bytearray
+    if views:
+        return [view[a:b] if b - a >= BIG_ARG else bytes(view[a:b])
+                for a, b in itertools.pairwise(offsets)]
+    return [bytes(view[a:b]) for a, b in itertools.pairwise(offsets)]
 
 
 def pack_timeout(seconds: float) -> bytes:
@@ -127,7 +157,8 @@ def pack_timeout(seconds: float) -> bytes:
 
 
 class FrameReader:
-    """Accumulates bytes from a socket and cuts them into frames no larger than ``limit``."""
+    """Accumulates bytes from a non-blocking socket (the server's side) and cuts them into
+    frames no larger than ``limit``."""
 
     def __init__(self, limit: int):
         self.limit = limit
@@ -140,7 +171,7 @@ class FrameReader:
         """One ``recv``; the frames it completed, or None when the peer closed the stream."""
         if self._big is not None:
             return self._fill_big(sock)
-        data = sock.recv(_RECV_CHUNK)
+        data = sock.recv(RECV_CHUNK)
         if not data:
             return None
         if self._buf:
@@ -152,6 +183,8 @@ class FrameReader:
                 return [Frame(code, rid, argc, data[HEADER_SIZE:])]
         frames, pos = self._parse(data)
         self._buf = bytearray(data[pos:]) if pos < len(data) else b""
+        if self._big is not None:  # a large frame began: take what else has arrived
+            frames += self._fill_big(sock) or []  # a close shows on the next read
         return frames
 
     def _parse(self, data: bytes | bytearray) -> tuple[list[Frame], int]:
@@ -178,12 +211,22 @@ class FrameReader:
         self._head = (code, rid, argc)
 
     def _fill_big(self, sock: socket.socket) -> list[Frame] | None:
+        """Receive straight into the frame's buffer while the socket has data (one poll
+        round trip per receive would cost more than the copy), up to a fair share."""
+        budget = _FILL_PER_EVENT
         with memoryview(self._big) as view:
-            n = sock.recv_into(view[self._fill:])
-        if n == 0:
-            return None
-        self._fill += n
-        if self._fill < len(self._big):
-            return []
+            while True:
+                try:
+                    n = sock.recv_into(view[self._fill:])
+                except (BlockingIOError, InterruptedError):
+                    return []
+                if n == 0:
+                    return None
+                self._fill += n
+                budget -= n
+                if self._fill == len(self._big):
+                    break
+                if budget <= 0:
+                    return []
         payload, self._big = self._big, None
         return [Frame(*self._head, payload)]

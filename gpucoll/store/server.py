@@ -23,6 +23,7 @@ from gpucoll.store.protocol import (
     FRAME_SLACK,
     HEADER,
     HELLO_LIMIT,
+    MAX_IOV,
     MAX_PAYLOAD,
     NO_REPLY,
     VERSION,
@@ -69,7 +70,8 @@ class StoreServer:
         self.max_value_bytes = int(max_value_bytes)
         self.hello_timeout = hello_timeout  # a connection that never says hello is dropped
         self._token = (token or "").encode()
-        self._data: dict[bytes, bytes] = {}
+        # values: bytes, or memoryviews of the buffer a large value was received into
+        self._data: dict[bytes, bytes | memoryview] = {}
         self._parked: dict[bytes, list[Watch]] = {}  # missing key -> watches stopped at it
         self._watches: dict[bytes, Watch] = {}
         self._timers: list[tuple[float, int, Waiter | _Conn]] = []
@@ -221,7 +223,8 @@ class StoreServer:
             if frame.code in PARKED and conn.authed:
                 self._op_park(conn, frame)  # decodes only a key list it has not seen
                 return
-            args = decode_args(frame)
+            # values to store stay in the buffer they were received into (no copy)
+            args = decode_args(frame, views=frame.code in _STORING)
             if not conn.authed:
                 self._hello(conn, frame, args)
                 return
@@ -268,7 +271,10 @@ class StoreServer:
             conn.out.extend(memoryview(b) for b in bufs)
             return
         try:
-            sent = conn.sock.send(bufs[0]) if len(bufs) == 1 else conn.sock.sendmsg(bufs)
+            if len(bufs) == 1:
+                sent = conn.sock.send(bufs[0])
+            else:  # scatter-gather: large values go out of the objects that hold them
+                sent = conn.sock.sendmsg(bufs if len(bufs) <= MAX_IOV else bufs[:MAX_IOV])
         except (BlockingIOError, InterruptedError):
             sent = 0
         except OSError:
@@ -287,7 +293,7 @@ class StoreServer:
     def _flush(self, conn: _Conn) -> None:
         while conn.out:
             try:
-                sent = conn.sock.sendmsg(list(itertools.islice(conn.out, 512)))
+                sent = conn.sock.sendmsg(list(itertools.islice(conn.out, MAX_IOV)))
             except (BlockingIOError, InterruptedError):
                 return
             while sent and conn.out:
@@ -309,7 +315,9 @@ class StoreServer:
             raise FrameError(f"value of {len(value)} bytes exceeds the store's limit of "
                              f"{self.max_value_bytes} bytes", rid, fatal=False)
 
-    def _put(self, key: bytes, value: bytes) -> None:
+    def _put(self, key: bytes | memoryview, value: bytes | memoryview) -> None:
+        if type(key) is not bytes:  # a key of a frame's large arguments: keys must hash
+            key = bytes(key)
         self._data[key] = value
         watches = self._parked.pop(key, None)
         if watches:
@@ -336,7 +344,7 @@ class StoreServer:
     def _op_add(self, conn: _Conn, frame: Frame, args: list[bytes]) -> None:
         _expect_args(frame, args, 2)
         try:
-            total = int(self._data.get(args[0], b"0")) + int(args[1])
+            total = int(bytes(self._data.get(args[0], b"0"))) + int(args[1])
         except ValueError:
             raise FrameError(f"add: key {_show(args[0])} does not hold an integer",
                              frame.rid, fatal=False) from None
@@ -348,6 +356,7 @@ class StoreServer:
         _expect_args(frame, args, 3)
         key, expected, desired = args
         self._check_value(desired, frame.rid)
+        key = bytes(key)
         current = self._data.get(key)
         if current is None and expected:
             result = expected
@@ -413,22 +422,22 @@ class StoreServer:
             i = values.index(None)
         self._watches.pop(watch.ident, None)
         members, watch.members, watch.live = watch.members, [], 0
-        # one payload for all: many ranks waiting on the same keys is the common case
+        # one payload for all: many ranks waiting on the same keys is the common case; its
+        # large values are sent out of the stored objects, never joined into a copy
         status, empty, full = Status.OK, encode_payload([]), None
         if values:
             full = encode_payload(values)
-            if len(full[1]) > MAX_PAYLOAD:
+            if full[1] > MAX_PAYLOAD:
                 status, full = Status.ERROR, encode_payload(
-                    [f"reply of {len(full[1])} bytes does not fit in one frame: ask for "
+                    [f"reply of {full[1]} bytes does not fit in one frame: ask for "
                      f"fewer keys at a time".encode()])
         for w in members:
             if not w.done:
                 w.done = True
                 w.conn.waiters.discard(w)
-                argc, body = empty if w.op == Op.WAIT else full
-                head = HEADER.pack(len(body), status if w.op != Op.WAIT else Status.OK,
-                                   w.rid, argc)
-                self._write(w.conn, [head + body] if len(body) < 65536 else [head, body])
+                argc, size, (first, *rest) = empty if w.op == Op.WAIT else full
+                head = HEADER.pack(size, status if w.op != Op.WAIT else Status.OK, w.rid, argc)
+                self._write(w.conn, [head + first, *rest])
         return True
 
     def _retire(self, w: Waiter) -> None:
@@ -471,6 +480,9 @@ class StoreServer:
                 watch = w.watch
                 missing = [k for k in watch.keys[watch.pos:] if k not in self._data]
                 self._reply(w.conn, Status.TIMEOUT, w.rid, missing)
+
+
+_STORING = frozenset((Op.SET, Op.MULTI_SET, Op.COMPARE_SET))
 
 
 def _expect_args(frame: Frame, args: list[bytes], n: int) -> None:
