@@ -6,6 +6,9 @@ Rendezvous: K clients (threads spread over --procs worker processes, one connect
 released together; each connects, sets its own key, waits for all K keys, then passes an
 add-counter barrier (the client that counts K sets "done"; everyone waits for "done").
 wall_ms = last client done - release. Impls are interleaved run by run; medians over runs.
+Large values (--big): one client's set/get of each size, median latency and GB/s (a run of
+sets is timed until a round trip confirms the server has applied them all). All-gather
+(--gather K:SIZE): K clients each set a SIZE value, wait for all K keys, multi_get them all.
 
 torch.distributed.TCPStore is measured beside gpucoll's when torch is installed. Its client
 does a reverse DNS lookup per connection; RES_OPTIONS=attempts:0 (set here) makes a resolver
@@ -13,6 +16,7 @@ that cannot be reached fail at once instead of stalling 5 s per lookup.
 
     python benchmarks/store.py                      # both impls, 3 runs, K = 64 256 1024
     python benchmarks/store.py --impls gpucoll --runs 1 --clients 64
+    python benchmarks/store.py --big 1M,64M --gather 16:1M --clients '' --lat-ops 0
 """
 
 from __future__ import annotations
@@ -131,7 +135,7 @@ def worker_main(impl_name: str) -> int:
 
 def run_clients(impl, spec: dict) -> list[dict]:
     """Start this process's share of clients, report READY, run them on GO, return timings."""
-    k, tag, port = spec["k"], spec["tag"], spec["port"]
+    k, tag, port, gather = spec["k"], spec["tag"], spec["port"], spec.get("gather", False)
     keys = [f"{tag}/{i}" for i in range(k)]
     value = b"v" * spec["value_bytes"]
     go = threading.Event()
@@ -148,10 +152,17 @@ def run_clients(impl, spec: dict) -> list[dict]:
             c.set(keys[i], value)
             rec["t_set"] = time.monotonic()
             c.wait(keys)
-            rec["t_gathered"] = time.monotonic()
-            if c.add(f"{tag}/count", 1) == k:
-                c.set(f"{tag}/done", b"1")
-            c.wait([f"{tag}/done"])
+            if gather:  # all-gather: everyone fetches every value
+                values = c.multi_get(keys)
+                if len(values) != k or any(len(v) != len(value) for v in values):
+                    raise RuntimeError("multi_get returned values of the wrong sizes")
+                del values
+                rec["t_gathered"] = time.monotonic()
+            else:  # rendezvous: then an add-counter barrier
+                rec["t_gathered"] = time.monotonic()
+                if c.add(f"{tag}/count", 1) == k:
+                    c.set(f"{tag}/done", b"1")
+                c.wait([f"{tag}/done"])
             rec["t_done"] = time.monotonic()
         except Exception as exc:  # noqa: BLE001 - reported in the results
             rec["error"] = f"{type(exc).__name__}: {exc}"[:300]
@@ -218,12 +229,51 @@ def latency(impl, port: int, ops: int) -> list[dict]:
     return out
 
 
+def big_values(impl, port: int, sizes: list[int]) -> list[dict]:
+    """set/get of large values, one client: median latency of single ops and GB/s."""
+    c = impl.connect(port, 300)
+    out = []
+    for size in sizes:
+        value = b"B" * size
+        ops = max(5, min(200, (512 << 20) // size))
+        c.set("big/k", value)
+        c.check(["big/k"])
+        samples, t0 = [], time.perf_counter()
+        for _ in range(ops):
+            t = time.perf_counter_ns()
+            c.set("big/k", value)
+            samples.append((time.perf_counter_ns() - t) / 1e3)
+        c.check(["big/k"])  # a round trip: every set before it has been applied
+        applied = time.perf_counter() - t0
+        samples.sort()
+        out.append({"test": "big", "op": "set", "bytes": size, "ops": ops,
+                    "us": samples[len(samples) // 2], "GBps": size * ops / applied / 1e9})
+        for _ in range(2):
+            c.get("big/k")
+        samples = []
+        for _ in range(ops):
+            t = time.perf_counter_ns()
+            got = c.get("big/k")
+            samples.append((time.perf_counter_ns() - t) / 1e3)
+        if len(got) != size:
+            raise RuntimeError(f"get returned {len(got)} bytes, not {size}")
+        del got
+        samples.sort()
+        med = samples[len(samples) // 2]
+        out.append({"test": "big", "op": "get", "bytes": size, "ops": ops, "us": med,
+                    "GBps": size / med / 1e3})
+    close = getattr(c, "close", None)
+    if close is not None:
+        close()
+    return out
+
+
 def rendezvous(workers: list[subprocess.Popen], port: int, k: int, tag: str,
-               timeout: float) -> dict:
+               timeout: float, value_bytes: int = 64, gather: bool = False) -> dict:
     procs = workers[:min(len(workers), k)]
     for j, p in enumerate(procs):
         spec = {"k": k, "tag": tag, "port": port, "ids": list(range(j, k, len(procs))),
-                "value_bytes": 64, "timeout": timeout}
+                "value_bytes": value_bytes, "timeout": timeout, "gather": gather}
         p.stdin.write(json.dumps(spec) + "\n")
         p.stdin.flush()
     for p in procs:
@@ -239,7 +289,8 @@ def rendezvous(workers: list[subprocess.Popen], port: int, k: int, tag: str,
     conn = [r["t_conn"] - t0 for r in recs if "t_conn" in r]
     sets = [r["t_set"] - t0 for r in recs if "t_set" in r]
     gathered = [r["t_gathered"] - t0 for r in recs if "t_gathered" in r]
-    return {"test": "rendezvous", "clients": k, "procs": len(procs),
+    return {"test": "allgather" if gather else "rendezvous", "clients": k,
+            "value_bytes": value_bytes, "procs": len(procs),
             "wall_ms": max(done) * 1e3 if len(done) == k else None,
             "connected_ms": max(conn) * 1e3 if conn else None,
             "last_set_ms": max(sets) * 1e3 if sets else None,
@@ -255,11 +306,18 @@ def one_run(impl_name: str, args, run: int) -> list[dict]:
     try:
         port = int(server.stdout.readline())
         recs = latency(impl, port, args.lat_ops) if args.lat_ops else []
-        workers = [child("worker", impl_name) for _ in range(args.procs)] if args.clients else []
+        recs += big_values(impl, port, args.big) if args.big else []
+        workers = [child("worker", impl_name) for _ in range(args.procs)] \
+            if args.clients or args.gather else []
         for k in args.clients:
             recs.append(rendezvous(workers, port, k, f"rdv{run}k{k}", args.client_timeout))
             print(f"[store] {impl_name} run {run} K={k}: {recs[-1]['wall_ms']} ms",
                   file=sys.stderr)
+        for k, size in args.gather:
+            recs.append(rendezvous(workers, port, k, f"gather{run}k{k}s{size}",
+                                   args.client_timeout, value_bytes=size, gather=True))
+            print(f"[store] {impl_name} run {run} gather {k} x {size}: "
+                  f"{recs[-1]['wall_ms']} ms", file=sys.stderr)
     finally:
         stop(workers + [server])
     for r in recs:
@@ -281,12 +339,36 @@ def summarize(records: list[dict], impls: list[str]) -> list[list[str]]:
     for k in sorted({r["clients"] for r in records if r["test"] == "rendezvous"}):
         vals = [med("wall_ms", impl=i, test="rendezvous", clients=k) for i in impls]
         rows.append([f"rendezvous {k} clients (ms)", *vals])
+    for size in sorted({r["bytes"] for r in records if r["test"] == "big"}):
+        for op in ("set", "get"):
+            for key, unit in (("us", "latency (us)"), ("GBps", "GB/s")):
+                vals = [med(key, impl=i, test="big", op=op, bytes=size) for i in impls]
+                rows.append([f"{op} {_size(size)} {unit}", *vals])
+    for k, size in sorted({(r["clients"], r["value_bytes"]) for r in records
+                           if r["test"] == "allgather"}):
+        vals = [med("wall_ms", impl=i, test="allgather", clients=k, value_bytes=size)
+                for i in impls]
+        rows.append([f"allgather {k} x {_size(size)} (ms)", *vals])
     for row in rows:
         ratio = row[1] / row[2] if len(row) == 3 and row[1] and row[2] else None
         row[1:] = [_fmt(v) for v in row[1:]]
         if len(impls) == 2:
             row.append(f"{ratio:.2f}" if ratio is not None else "-")
     return rows
+
+
+def _size(n: int) -> str:
+    for unit, shift in (("GiB", 30), ("MiB", 20), ("KiB", 10)):
+        if n >= 1 << shift and n % (1 << shift) == 0:
+            return f"{n >> shift} {unit}"
+    return f"{n} B"
+
+
+def parse_size(text: str) -> int:
+    """'64', '1K', '1M', '64M', '1G' -> bytes."""
+    text = text.strip().upper().removesuffix("B").removesuffix("I")
+    shift = {"K": 10, "M": 20, "G": 30}.get(text[-1:], 0)
+    return int(text[:-1] if shift else text) << shift
 
 
 def _fmt(v) -> str:
@@ -313,6 +395,10 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--clients", default="64,256,1024", help="rendezvous sizes; '' for none")
     p.add_argument("--procs", type=int, default=8, help="client processes for rendezvous")
     p.add_argument("--lat-ops", type=int, default=5000, help="timed ops per latency op")
+    p.add_argument("--big", default="1M,64M",
+                   help="large value sizes for single-client set/get; '' for none")
+    p.add_argument("--gather", default="16:1M",
+                   help="all-gathers K:SIZE (comma-separated); '' for none")
     p.add_argument("--client-timeout", type=float, default=120.0)
     p.add_argument("--out", default=None, help="JSON path (default results/store-<time>.json)")
     p.add_argument("--serve", help=argparse.SUPPRESS)
@@ -328,6 +414,9 @@ def main(argv: list[str] | None = None) -> int:
     impls = args.impls.split(",") if args.impls else (
         ["gpucoll", "torch"] if torch_available() else ["gpucoll"])
     args.clients = [int(k) for k in args.clients.split(",") if k]
+    args.big = [parse_size(s) for s in args.big.split(",") if s]
+    args.gather = [(int(k), parse_size(s)) for k, s in
+                   (g.split(":") for g in args.gather.split(",") if g)]
     records: list[dict] = []
     for run in range(args.runs):
         for name in impls:

@@ -14,7 +14,7 @@ import threading
 import time
 
 from gpucoll.errors import StoreError, StoreTimeout
-from gpucoll.store.protocol import NO_REPLY, VERSION, Op, Status, encode
+from gpucoll.store.protocol import MAX_IOV, NO_REPLY, VERSION, Op, Status, encode
 from gpucoll.store.stream import ReplyReader
 
 # longest single blocking recv; the deadline is re-checked after each
@@ -199,18 +199,20 @@ class Connection:
 
 
 def _send_all(sock: socket.socket, bufs: list[bytes]) -> None:
-    """Send a frame's buffers in order: one ``sendmsg`` (no joining of large values), then
-    whatever a partial send left over."""
+    """Send a frame's buffers in order: ``sendmsg`` of up to MAX_IOV at a time (no joining
+    of large values), then whatever a partial send left over."""
     if len(bufs) == 1:
         sock.sendall(bufs[0])
         return
-    sent = sock.sendmsg(bufs)
-    for buf in bufs:
-        if sent >= len(buf):
-            sent -= len(buf)
-            continue
-        sock.sendall(memoryview(buf)[sent:])
-        sent = 0
+    for i in range(0, len(bufs), MAX_IOV):
+        batch = bufs[i:i + MAX_IOV]
+        sent = sock.sendmsg(batch)
+        for buf in batch:
+            if sent >= len(buf):
+                sent -= len(buf)
+                continue
+            sock.sendall(memoryview(buf)[sent:])
+            sent = 0
 
 
 def _set_timeo(sock: socket.socket, option: int, seconds: float) -> None:

@@ -90,12 +90,8 @@ def encode(code: int, rid: int, args: Sequence[bytes]) -> list[bytes]:
         size = len(a) + len(b)
         head = _HEADER2.pack(8 + size, code, rid, 2, len(a), len(b))
         return [head + a + b] if size < _JOIN_BELOW else [head, a, b]
-    lengths = [len(a) for a in args]
-    head = HEADER.pack(4 * len(args) + sum(lengths), code, rid, len(args))
-    head += struct.pack(f"<{len(args)}I", *lengths)
-    if sum(lengths) < _JOIN_BELOW or len(args) > 64:
-        return [b"".join((head, *args))]
-    return [head, *args]
+    argc, size, (first, *rest) = encode_payload(args)
+    return [HEADER.pack(size, code, rid, argc) + first, *rest]
 
 
 def encode_payload(args: Sequence[bytes]) -> tuple[int, int, list[bytes]]:
