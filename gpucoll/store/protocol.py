@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import enum
 import itertools
+import mmap
 import socket
 import struct
 from collections.abc import Sequence
@@ -41,6 +42,9 @@ BIG_ARG = 64 << 10
 MAX_IOV = 512
 # one readable event reads at most this much of a large frame: other clients get their turn
 _FILL_PER_EVENT = 16 << 20
+# frames this large are received into anonymous memory of their own rather than a bytearray:
+# malloc maps such sizes fresh anyway, and a bytearray would also zero every page first
+_MAP_FROM = 32 << 20
 
 
 class Op(enum.IntEnum):
@@ -76,7 +80,7 @@ class Frame(NamedTuple):
     code: int
     rid: int
     argc: int
-    payload: bytes | bytearray
+    payload: bytes | bytearray | mmap.mmap
 
 
 def encode(code: int, rid: int, args: Sequence[bytes]) -> list[bytes]:
@@ -120,7 +124,7 @@ def encode_payload(args: Sequence[bytes]) -> tuple[int, int, list[bytes]]:
 
 def decode_args(frame: Frame, views: bool = False) -> list[bytes]:
     """Split a frame's payload into its arguments; FrameError when lengths do not add up.
-    With ``views``, large arguments of a frame read into a bytearray come back as memoryviews
+    With ``views``, large arguments of a frame read into a buffer of its own come back as views
     of it rather than copies (the server stores values that way: no copy of a big value)."""
     payload, argc = frame.payload, frame.argc
     if argc == 1 and type(payload) is bytes and len(payload) >= 4 \
@@ -141,7 +145,7 @@ def decode_args(frame: Frame, views: bool = False) -> list[bytes]:
     offsets = list(itertools.accumulate(lengths, initial=table))
     if type(payload) is bytes:  # slicing bytes gives bytes: one copy, no per-item overhead
         return [payload[a:b] for a, b in itertools.pairwise(offsets)]
-    view = memoryview(payload)  # a large frame read into a bytearray
+    view = memoryview(payload)  # a large frame read into a buffer of its own
     if views:
         return [view[a:b] if b - a >= BIG_ARG else bytes(view[a:b])
                 for a, b in itertools.pairwise(offsets)]
@@ -159,7 +163,7 @@ class FrameReader:
     def __init__(self, limit: int):
         self.limit = limit
         self._buf: bytes | bytearray = b""  # an unfinished frame's first bytes
-        self._big: bytearray | None = None
+        self._big: bytearray | mmap.mmap | None = None
         self._fill = 0
         self._head: tuple[int, int, int] = (0, 0, 0)
 
@@ -201,9 +205,10 @@ class FrameReader:
         return frames, pos
 
     def _start_big(self, plen: int, code: int, rid: int, argc: int, data, start: int) -> None:
-        self._big = bytearray(plen)
+        self._big = bytearray(plen) if plen < _MAP_FROM else mmap.mmap(-1, plen)
         self._fill = len(data) - start
-        self._big[:self._fill] = data[start:]
+        with memoryview(self._big) as view:
+            view[:self._fill] = data[start:]
         self._head = (code, rid, argc)
 
     def _fill_big(self, sock: socket.socket) -> list[Frame] | None:
