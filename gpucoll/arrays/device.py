@@ -169,6 +169,8 @@ def _contiguous_copy(obj: Any) -> Any:
 def _device_of(obj: Any, ptr: int) -> int | None:
     """The device ordinal holding ``ptr`` (CuPy arrays know it; else ask CUDA)."""
     device = getattr(obj, "device", None)
+    if device is None:
+        return cuda.runtime().pointer_device(ptr) if ptr else None
     ident = getattr(device, "id", None)
     if isinstance(ident, int):
         return ident

@@ -70,9 +70,13 @@ class NcclBackend(Backend):
         try:
             return fn(*args)
         except self._NcclError as exc:
-            if self._failure is not None:  # aborted under us: report why
-                raise copy.copy(self._failure) from exc
-            raise translate(exc, opname, self.rank, self.size) from exc
+            raise self._error(opname, exc) from exc
+
+    def _error(self, opname: str, exc: BaseException) -> GpucollError:
+        """The error to raise for ``exc``, an NcclError from ``opname``."""
+        if self._failure is not None:  # aborted under us: report why
+            return copy.copy(self._failure)
+        return translate(exc, opname, self.rank, self.size)
 
     def _begin(self, opname: str, stream: Any, refs: tuple) -> int:
         """Check the buffers, resolve the stream, and order it after the buffers' producers."""
@@ -106,12 +110,16 @@ class NcclBackend(Backend):
 
     def _group(self, opname: str, calls: list[tuple[Callable, tuple]]) -> None:
         """Run send/recv calls as one NCCL group so they progress together."""
-        self._call(opname, self._nccl.groupStart)
+        nccl = self._nccl
         try:
-            for fn, args in calls:
-                self._call(opname, fn, *args)
-        finally:
-            self._call(opname, self._nccl.groupEnd)
+            nccl.groupStart()
+            try:
+                for fn, args in calls:
+                    fn(*args)
+            finally:
+                nccl.groupEnd()
+        except self._NcclError as exc:
+            raise self._error(opname, exc) from exc
 
     def _copy(self, dst: int, src: int, nbytes: int, s: int) -> None:
         if dst != src and nbytes:
