@@ -106,7 +106,9 @@ def run_other_launcher(argv: list[str], tmp_path) -> subprocess.CompletedProcess
 @pytest.mark.slow
 def test_an_example_runs_unchanged_under_torchrun(tmp_path):
     torchrun = shutil.which("torchrun") or pytest.skip("torchrun is not installed")
-    done = run_other_launcher([torchrun, "--nproc-per-node", "2", example("spmd")], tmp_path)
+    # --standalone: torchrun picks a free port instead of its fixed default (29500)
+    argv = [torchrun, "--standalone", "--nproc-per-node", "2", example("spmd")]
+    done = run_other_launcher(argv, tmp_path)
     assert done.returncode == 0, done.stdout + done.stderr
     assert "CHECK spmd: passed" in done.stdout
 
