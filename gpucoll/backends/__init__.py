@@ -24,9 +24,9 @@ def _ring(store: Any, rank: int, size: int, *, timeout: float, device: Any = Non
     from gpucoll.backends.ring import RingBackend
     from gpucoll.backends.staged import StagedBackend
 
-    transport = os.environ.get("GPUCOLL_TRANSPORT", "auto") or "auto"
-    # device arrays on the ring are staged through pinned host memory; host ones pass through
-    return StagedBackend(RingBackend(store, rank, size, timeout=timeout, transport=transport))
+    # transport="auto": the mesh reads GPUCOLL_TRANSPORT (the one place that does).
+    # Device arrays on the ring are staged through pinned host memory; host ones pass through.
+    return StagedBackend(RingBackend(store, rank, size, timeout=timeout, transport="auto"))
 
 
 def _nccl(store: Any, rank: int, size: int, *, timeout: float, device: Any = None) -> Backend:
