@@ -11,7 +11,7 @@ import json
 from typing import Any
 
 from gpucoll import cuda
-from gpucoll.errors import CollectiveTimeout, StoreTimeout
+from gpucoll.store.gather import gather
 
 KEY = "auto/{}"
 
@@ -46,15 +46,9 @@ def agree(store: Any, rank: int, size: int, timeout: float) -> tuple[str, str]:
     ok, why = local_verdict()
     keys = [KEY.format(r) for r in range(size)]
     store.set(keys[rank], json.dumps([ok, why]))
-    try:
-        store.wait(keys, timeout=timeout)
-    except StoreTimeout:
-        missing = [r for r, k in enumerate(keys) if not store.check([k])]
-        raise CollectiveTimeout(
-            f"backend='auto' on rank {rank} of {size}: rank(s) {missing} did not report whether "
-            f"they can use NCCL within {timeout:g} s"
-        ) from None
-    verdicts = [json.loads(v) for v in store.multi_get(keys)]
+    values = gather(store, keys, timeout, what="backend='auto'", rank=rank,
+                    absent="did not report whether they can use NCCL")
+    verdicts = [json.loads(v) for v in values]
     unable = [(r, reason) for r, (usable, reason) in enumerate(verdicts) if not usable]
     if not unable:
         return "nccl", f"auto: every rank can use NCCL (rank {rank}: {why})"

@@ -9,10 +9,10 @@ all build their ``NcclCommunicator`` together.
 from __future__ import annotations
 
 import os
-import time
 from typing import Any
 
 from gpucoll.errors import BackendUnavailable, CollectiveTimeout, StoreTimeout
+from gpucoll.store.gather import wait_for_ranks
 
 UID_KEY = "nccl/unique_id"
 ARRIVE_KEY = "nccl/arrived/{}"
@@ -53,16 +53,8 @@ def arrive(store: Any, rank: int, size: int, timeout: float, what: str = "NCCL s
     """Store barrier: return once all ``size`` ranks arrived, else CollectiveTimeout naming the
     ranks that never did."""
     store.set(ARRIVE_KEY.format(rank), str(rank))
-    keys = [ARRIVE_KEY.format(r) for r in range(size)]
-    start = time.monotonic()
-    try:
-        store.wait(keys, timeout=timeout)
-    except StoreTimeout:
-        missing = [r for r, key in enumerate(keys) if not store.check([key])]
-        raise CollectiveTimeout(
-            f"{what} on rank {rank} of {size}: rank(s) {missing} never arrived within "
-            f"{time.monotonic() - start:.1f} s (timeout={timeout:g} s)"
-        ) from None
+    wait_for_ranks(store, [ARRIVE_KEY.format(r) for r in range(size)], timeout, what=what,
+                   rank=rank)
 
 
 def uid_to_bytes(uid: bytes | tuple) -> bytes:

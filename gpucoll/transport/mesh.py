@@ -18,6 +18,7 @@ import uuid
 import weakref
 
 from gpucoll.errors import BackendUnavailable, CollectiveTimeout, PeerFailure
+from gpucoll.store.gather import gather
 from gpucoll.transport import shm, tcp
 
 TRANSPORTS = ("auto", "shm", "tcp")
@@ -154,14 +155,9 @@ class Mesh:
 
     def _gather_addresses(self, store, deadline: float) -> list[dict]:
         keys = [f"ring/addr/{j}" for j in range(self.size)]
-        try:
-            store.wait(keys, timeout=max(deadline - time.monotonic(), 0.001))
-        except TimeoutError as exc:
-            missing = [k for k in keys if not store.check([k])]
-            raise CollectiveTimeout(
-                f"ring set-up on rank {self.rank}: ranks did not publish their addresses in time "
-                f"(missing {', '.join(missing) or '?'})") from exc
-        return [json.loads(v) for v in store.multi_get(keys)]
+        values = gather(store, keys, max(deadline - time.monotonic(), 0.001), what="ring set-up",
+                        rank=self.rank, absent="did not publish their addresses")
+        return [json.loads(v) for v in values]
 
     def _pair_kind(self, me: dict, peer: dict, j: int) -> str | None:
         if j == self.rank:
