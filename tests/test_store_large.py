@@ -21,6 +21,7 @@ from gpucoll.store.protocol import (
     decode_args,
     encode,
     encode_payload,
+    unsent,
 )
 from gpucoll.store.stream import ReplyReader
 
@@ -214,3 +215,9 @@ def test_reply_reader_refuses_a_large_frame_whose_lengths_do_not_add_up():
         with pytest.raises(ValueError, match="add up"):
             reader.read_frame(no_deadline)
         reader.close()
+
+
+def test_unsent_is_what_a_partial_send_left_in_order_without_empty_buffers():
+    rest = unsent([b"abc", b"", b"defg", b"", b"hi"], 5)
+    assert [bytes(v) for v in rest] == [b"fg", b"hi"]
+    assert unsent([b"abc", b"de"], 5) == []

@@ -14,7 +14,7 @@ import threading
 import time
 
 from gpucoll.errors import StoreError, StoreTimeout
-from gpucoll.store.protocol import MAX_IOV, NO_REPLY, VERSION, Op, Status, encode
+from gpucoll.store.protocol import MAX_IOV, NO_REPLY, VERSION, Op, Status, encode, unsent
 from gpucoll.store.stream import ReplyReader
 
 # longest single blocking recv; the deadline is re-checked after each
@@ -206,13 +206,8 @@ def _send_all(sock: socket.socket, bufs: list[bytes]) -> None:
         return
     for i in range(0, len(bufs), MAX_IOV):
         batch = bufs[i:i + MAX_IOV]
-        sent = sock.sendmsg(batch)
-        for buf in batch:
-            if sent >= len(buf):
-                sent -= len(buf)
-                continue
-            sock.sendall(memoryview(buf)[sent:])
-            sent = 0
+        for rest in unsent(batch, sock.sendmsg(batch)):
+            sock.sendall(rest)
 
 
 def _set_timeo(sock: socket.socket, option: int, seconds: float) -> None:

@@ -122,6 +122,19 @@ def encode_payload(args: Sequence[bytes]) -> tuple[int, int, list[bytes]]:
     return len(args), size, bufs
 
 
+def unsent(bufs: Sequence[bytes | memoryview], sent: int) -> list[memoryview]:
+    """What of a frame's buffers a send that took ``sent`` bytes left over, in order (the
+    tail of the partly sent one, then the untouched ones; empty buffers dropped)."""
+    rest: list[memoryview] = []
+    for buf in bufs:
+        if sent >= len(buf):
+            sent -= len(buf)
+            continue
+        rest.append(memoryview(buf)[sent:])
+        sent = 0
+    return rest
+
+
 def decode_args(frame: Frame, views: bool = False) -> list[bytes]:
     """Split a frame's payload into its arguments; FrameError when lengths do not add up.
     With ``views``, large arguments of a frame read into a buffer of its own come back as views

@@ -35,6 +35,7 @@ from gpucoll.store.protocol import (
     decode_args,
     encode,
     encode_payload,
+    unsent,
 )
 from gpucoll.store.watch import PARKED, Waiter, Watch, park_request
 
@@ -282,12 +283,7 @@ class StoreServer:
             return
         if sent == (len(bufs[0]) if len(bufs) == 1 else sum(map(len, bufs))):
             return
-        for b in bufs:
-            if sent >= len(b):
-                sent -= len(b)
-                continue
-            conn.out.append(memoryview(b)[sent:])
-            sent = 0
+        conn.out.extend(unsent(bufs, sent))
         self._poller.modify(conn.fd, self._poller.IN | self._poller.OUT)
 
     def _flush(self, conn: _Conn) -> None:
