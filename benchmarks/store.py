@@ -93,19 +93,6 @@ def torch_available() -> bool:
         return False
 
 
-def versions(impls: list[str]) -> dict:
-    from importlib import metadata
-
-    names = {"gpucoll": "gpucoll", "torch": "torch"}
-    out = {}
-    for impl in impls:
-        try:
-            out[impl] = metadata.version(names[impl])
-        except metadata.PackageNotFoundError:
-            out[impl] = None
-    return out
-
-
 def raise_fd_limit() -> None:
     soft, hard = resource.getrlimit(resource.RLIMIT_NOFILE)
     if soft < hard:
@@ -462,8 +449,10 @@ def main(argv: list[str] | None = None) -> int:
     print_table(rows, impls)
     out = args.out or os.path.join("results", time.strftime("store-%Y%m%d-%H%M%S.json"))
     os.makedirs(os.path.dirname(out) or ".", exist_ok=True)
+    from gpucoll.bench.libraries import versions  # here: worker processes stay light
+
     with open(out, "w") as f:
-        json.dump({"argv": sys.argv, "versions": versions(impls),
+        json.dump({"argv": sys.argv, "versions": versions(*impls),
                    "machine": {"cpus": os.cpu_count(), "python": platform.python_version()},
                    "env": {"RES_OPTIONS": os.environ.get("RES_OPTIONS")},
                    "impls": impls, "records": records, "table": rows}, f, indent=1)
