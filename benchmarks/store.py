@@ -26,13 +26,14 @@ import datetime
 import json
 import os
 import platform
-import resource
 import socket
 import statistics
 import subprocess
 import sys
 import threading
 import time
+
+from gpucoll.store.netio import raise_fd_limit
 
 HOST = "127.0.0.1"
 
@@ -91,12 +92,6 @@ def torch_available() -> bool:
         return importlib.util.find_spec("torch") is not None
     except (ImportError, ValueError):
         return False
-
-
-def raise_fd_limit() -> None:
-    soft, hard = resource.getrlimit(resource.RLIMIT_NOFILE)
-    if soft < hard:
-        resource.setrlimit(resource.RLIMIT_NOFILE, (hard, hard))
 
 
 # --------------------------------------------------------------------------- child processes
