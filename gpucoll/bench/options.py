@@ -12,8 +12,10 @@ import re
 
 import numpy as np
 
+from gpucoll.backends import NAMES
 from gpucoll.bench.formulas import OPS
 from gpucoll.ops import parse_op
+from gpucoll.transport.mesh import TRANSPORTS
 
 # nccl-tests' datatype names (its -d values) and the NumPy dtype each one is
 NCCL_TYPES = {
@@ -230,8 +232,8 @@ def _add_nccl_tests_flags(p: argparse.ArgumentParser) -> None:
 def _add_gpucoll_flags(p: argparse.ArgumentParser) -> None:
     """What to run on (backend, transport, memory), what to compare with, where results go."""
     m = p.add_argument_group("gpucoll")
-    m.add_argument("--backend", default="auto", choices=("auto", "nccl", "ring"))
-    m.add_argument("--transport", default="auto", choices=("auto", "shm", "tcp"))
+    m.add_argument("--backend", default="auto", choices=NAMES)
+    m.add_argument("--transport", default="auto", choices=TRANSPORTS)
     m.add_argument("--memory", default="auto", choices=("auto", "host", "device"),
                    help="NumPy host arrays or CuPy device arrays (auto: device with nccl)")
     m.add_argument("--peers", action="store_true",
