@@ -265,6 +265,11 @@ class Communicator:
         return sub
 
     @property
+    def ring_order(self) -> list[int] | None:
+        """The ranks in the order the host ring visits them (None on other backends)."""
+        return getattr(self._backend, "ring_order", None)
+
+    @property
     def backend_reason(self) -> str:
         """Why this communicator runs on ``backend``: requested by name, or what
         ``backend="auto"`` found on the ranks (e.g. which rank cannot use NCCL)."""

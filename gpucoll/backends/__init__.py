@@ -22,11 +22,19 @@ Factory = Callable[..., Backend]
 
 def _ring(store: Any, rank: int, size: int, *, timeout: float, device: Any = None) -> Backend:
     from gpucoll.backends.ring import RingBackend
+    from gpucoll.backends.ring_order import agree_order
     from gpucoll.backends.staged import StagedBackend
 
     # transport="auto": the mesh reads GPUCOLL_TRANSPORT (the one place that does).
+    ring = RingBackend(store, rank, size, timeout=timeout, transport="auto")
+    try:  # the ring follows the GPUs' fastest links when all ranks share a host
+        ring.use_order(agree_order(store, rank, size, same_host=ring.local_ranks == size,
+                                   timeout=timeout))
+    except BaseException:
+        ring.close()
+        raise
     # Device arrays on the ring are staged through pinned host memory; host ones pass through.
-    return StagedBackend(RingBackend(store, rank, size, timeout=timeout, transport="auto"))
+    return StagedBackend(ring)
 
 
 def _nccl(store: Any, rank: int, size: int, *, timeout: float, device: Any = None) -> Backend:

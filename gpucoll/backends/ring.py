@@ -38,15 +38,18 @@ class RingBackend(Backend):
 
     Buffers are host NumPy views (``ArrayRef.host``); device arrays reach this backend through
     ``gpucoll.backends.staged``, which copies them to and from host memory around each call.
+    ``order`` is the sequence of ranks around the ring (None: 0, 1, ..., size-1); every rank must
+    pass the same one.
     """
 
     name = "ring"
 
     def __init__(self, store: Any, rank: int, size: int, *, timeout: float,
-                 transport: str = "auto"):
+                 transport: str = "auto", order: list[int] | None = None):
         if not 0 <= rank < size:
             raise ValueError(f"rank={rank} is outside a group of size {size}")
         self.rank, self.size = rank, size
+        self.use_order(order)
         self.timeout = timeout
         self._transport_arg = transport
         self._state = State()
@@ -65,6 +68,29 @@ class RingBackend(Backend):
         self._monitor = Monitor(rank, self._mesh.control, self._mesh.bell, self._state)
 
     @property
+    def local_ranks(self) -> int:
+        """How many ranks of the group (this one included) run on this rank's host."""
+        return self._mesh.local_ranks
+
+    @property
+    def ring_order(self) -> list[int]:
+        """The ranks in the order the ring visits them."""
+        return list(self._order)
+
+    def use_order(self, order: list[int] | None) -> None:
+        """Make the ring visit ranks in ``order`` (None: rank order). Every rank must switch to
+        the same order before its next collective."""
+        if order is None:
+            order = range(self.size)
+        elif not (isinstance(order, (list, tuple))
+                  and all(isinstance(r, int) and not isinstance(r, bool) for r in order)
+                  and sorted(order) == list(range(self.size))):
+            raise ValueError(f"order={order!r} on rank {self.rank}: expected a permutation of the "
+                             f"ranks 0..{self.size - 1}")
+        self._order = tuple(order)
+        self._pos = self._order.index(self.rank)
+
+    @property
     def links(self) -> dict[int, str]:
         """Which transport carries data to each peer: ``{peer: "shm" | "tcp"}``."""
         return {j: link.kind for j, link in enumerate(self._mesh.links) if link is not None}
@@ -72,7 +98,8 @@ class RingBackend(Backend):
     # -- running a call --------------------------------------------------------------------
     def _call(self, opname: str, timeout: float, fn: Callable, *args) -> None:
         self._check_usable(opname)
-        step = algos.Step(self._engine, self.rank, self.size, time.monotonic() + timeout, opname)
+        step = algos.Step(self._engine, self.rank, self.size, time.monotonic() + timeout, opname,
+                          self._order, self._pos)
         with self._lock:
             try:
                 fn(step, *args)

@@ -5,6 +5,10 @@ of ops by the call's deadline) and flat 1-D NumPy arrays. Large messages use ban
 schedules (the ring: reduce-scatter then all-gather; a pipelined chain for broadcast and reduce);
 small ones a single round of direct exchange. Reductions follow a fixed order, so every rank of
 an all_reduce ends with bit-identical values.
+
+The ring visits ranks in ``Step.order`` (a permutation; the topology may choose it so neighbours
+share the fastest links). Ring schedules work on positions in that order and translate a position
+to a rank only to name a peer or a rank's slot, so every result keeps its meaning.
 """
 
 from __future__ import annotations
@@ -25,12 +29,19 @@ CHAIN_CHUNK = 4 << 20  # bytes per round of the reduce chain (its scratch size)
 class Step:
     """What an algorithm needs of the backend for one call."""
 
-    def __init__(self, engine, rank: int, size: int, deadline: float, opname: str):
+    def __init__(self, engine, rank: int, size: int, deadline: float, opname: str,
+                 order=None, pos: int | None = None):
         self.engine = engine
         self.rank = rank
         self.size = size
         self.deadline = deadline
         self.opname = opname
+        self.order = range(size) if order is None else order  # ring position -> rank
+        self.pos = rank if pos is None else pos  # this rank's position: order[pos] == rank
+
+    def at(self, pos: int) -> int:
+        """The rank at ring position ``pos`` (taken modulo the group size)."""
+        return self.order[pos % self.size]
 
     def send(self, peer: int, arr: np.ndarray, gate=None) -> Send:
         return Send(self.engine.links[peer], arr, gate)
@@ -129,23 +140,23 @@ def fold_in_rank_order(rank: int, x: np.ndarray, bufs: dict, ufunc) -> None:
 def _all_reduce_ring(s: Step, x: np.ndarray, ufunc, finish) -> None:
     """Reduce-scatter then all-gather around the ring, as one pipeline: each segment is
     forwarded piece by piece as soon as its reduction (or arrival) completes."""
-    n, rank = s.size, s.rank
-    nxt, prv = (rank + 1) % n, (rank - 1) % n
-    seg = [x[a:b] for a, b in bounds(x.size, n)]
+    n, p = s.size, s.pos
+    nxt, prv = s.at(p + 1), s.at(p - 1)
+    seg = [x[a:b] for a, b in bounds(x.size, n)]  # indexed by ring position
     ops, arrived = [], None
-    # reduce-scatter: after n-1 steps this rank holds the full reduction of segment rank+1
+    # reduce-scatter: after n-1 steps this rank holds the full reduction of segment p+1
     for step in range(n - 1):
-        out_i, in_i = (rank - step) % n, (rank - step - 1) % n
+        out_i, in_i = (p - step) % n, (p - step - 1) % n
         ops.append(s.send(nxt, seg[out_i], gate=arrived))
         arrived = s.reduce_from(prv, seg[in_i], ufunc)
         ops.append(arrived)
     if finish is not None:  # avg: the sum must be whole before it is divided and sent on
         s.run(*ops)
-        finish(seg[(rank + 1) % n])
+        finish(seg[(p + 1) % n])
         ops, arrived = [], None
     # all-gather: pass the finished segments around the ring
     for step in range(n - 1):
-        out_i, in_i = (rank + 1 - step) % n, (rank - step) % n
+        out_i, in_i = (p + 1 - step) % n, (p - step) % n
         ops.append(s.send(nxt, seg[out_i], gate=arrived))
         arrived = s.recv(prv, seg[in_i])
         ops.append(arrived)
@@ -169,10 +180,10 @@ def broadcast(s: Step, x: np.ndarray, root: int) -> None:
         else:
             s.run(s.recv(root, x))
         return
-    # pipelined chain root -> root+1 -> ...: each rank forwards bytes as they arrive
-    n, rank = s.size, s.rank
-    pos = (rank - root) % n
-    nxt, prv = (rank + 1) % n, (rank - 1) % n
+    # pipelined chain along the ring from root: each rank forwards bytes as they arrive
+    n = s.size
+    pos = (s.pos - s.order.index(root)) % n
+    nxt, prv = s.at(s.pos + 1), s.at(s.pos - 1)
     if pos == 0:
         s.run(s.send(nxt, x))
     elif pos == n - 1:
@@ -204,11 +215,12 @@ def reduce(s: Step, x: np.ndarray, root: int, ufunc, finish: Callable | None) ->
 
 
 def _reduce_chain(s: Step, x: np.ndarray, root: int, ufunc) -> None:
-    """Pipelined chain root+1 -> root+2 -> ... -> root: partial results are forwarded as they
-    form, chunk by chunk, so a middle rank needs one chunk of scratch, not a copy of ``x``."""
-    n, rank = s.size, s.rank
-    pos = (rank - root) % n
-    nxt, prv = (rank + 1) % n, (rank - 1) % n
+    """Pipelined chain along the ring from the rank after root back to root: partial results are
+    forwarded as they form, chunk by chunk, so a middle rank needs one chunk of scratch, not a
+    copy of ``x``."""
+    n = s.size
+    pos = (s.pos - s.order.index(root)) % n
+    nxt, prv = s.at(s.pos + 1), s.at(s.pos - 1)
     step = max(CHAIN_CHUNK // x.itemsize, 1)
     scratch = np.empty(min(step, x.size), x.dtype) if 1 < pos else None
     for start in range(0, x.size, step):
@@ -235,11 +247,12 @@ def all_gather(s: Step, x: np.ndarray, out: np.ndarray) -> None:
         s.run(*(s.send(j, x) for j in peers), *(s.recv(j, slots[j]) for j in peers))
         return
     # ring, pipelined: each slot is forwarded piece by piece as it arrives
-    nxt, prv = (rank + 1) % n, (rank - 1) % n
+    p = s.pos
+    nxt, prv = s.at(p + 1), s.at(p - 1)
     ops, arrived = [], None
     for step in range(n - 1):
-        ops.append(s.send(nxt, slots[(rank - step) % n], gate=arrived))
-        arrived = s.recv(prv, slots[(rank - step - 1) % n])
+        ops.append(s.send(nxt, slots[s.at(p - step)], gate=arrived))
+        arrived = s.recv(prv, slots[s.at(p - step - 1)])
         ops.append(arrived)
     s.run(*ops)
 
@@ -293,13 +306,14 @@ def reduce_scatter(s: Step, x: np.ndarray, out: np.ndarray, ufunc, finish) -> No
 
 
 def _reduce_scatter_ring(s: Step, xs: list, out: np.ndarray, ufunc) -> None:
-    """Partial sums travel the ring; slot j gathers ranks j+1, j+2, ... and ends on rank j."""
-    n, rank = s.size, s.rank
-    nxt, prv = (rank + 1) % n, (rank - 1) % n
+    """Partial sums travel the ring; the slot of the rank at position q gathers the ranks at
+    q+1, q+2, ... and ends on that rank."""
+    n, p = s.size, s.pos
+    nxt, prv = s.at(p + 1), s.at(p - 1)
     bufs = [np.empty_like(out), np.empty_like(out)] if n > 2 else [None]
-    outgoing = xs[(rank - 1) % n]
+    outgoing = xs[s.at(p - 1)]
     for step in range(n - 1):
-        slot = (rank - step - 2) % n
+        slot = s.at(p - step - 2)
         acc = out if step == n - 2 else bufs[step % 2]
         s.run(s.send(nxt, outgoing), s.reduce_from(prv, acc, ufunc, src=xs[slot]))
         outgoing = acc
