@@ -143,11 +143,11 @@ def test_ctrl_c_while_following_stops_the_job(monkeypatch):
             super().__init__(*a, **kw)
             started.append(self)
 
-    def interrupt(_seconds):
+    def interrupt(*_args):  # Ctrl-C arrives while the driver follows the job's output
         raise KeyboardInterrupt
 
     monkeypatch.setattr(driver.subprocess, "Popen", Recording)
-    monkeypatch.setattr(driver.time, "sleep", interrupt)
+    monkeypatch.setattr(driver, "_follow", interrupt)
     monkeypatch.setattr(driver, "command", lambda *a: [sys.executable, "-c",
                                                        "import time; time.sleep(120)"])
     console, _ = _console([])
