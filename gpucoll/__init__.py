@@ -19,6 +19,7 @@ _EXPORTS = {
     "StoreError": "gpucoll.errors",
     "StoreTimeout": "gpucoll.errors",
     "BackendUnavailable": "gpucoll.errors",
+    "UsageError": "gpucoll.errors",
     "ReduceOp": "gpucoll.ops",
     "TCPStore": "gpucoll.store",
     "PrefixStore": "gpucoll.store",

@@ -1,9 +1,17 @@
 """``Communicator``: the public face of a group of ranks.
 
-Every method checks its arguments once (``gpucoll.validation``), optionally checks under
-GPUCOLL_DEBUG=1 that all ranks make the same call (``gpucoll.signature``), and hands the backend
-flat contiguous buffers. Sync calls run on the caller's thread with no store traffic; calls with
-``async_op=True`` return a ``Work`` and complete in issue order.
+Every method checks its arguments once (``gpucoll.validation``) before the rank takes part,
+optionally checks under GPUCOLL_DEBUG=1 that all ranks make the same call (``gpucoll.signature``),
+and hands the backend flat contiguous buffers. Each collective gets a sequence number, the same
+on every rank, which the backend's progress record shows while the call runs (and the ring stamps
+on every message, so ranks that disagree are caught). Sync calls run on the caller's thread;
+calls with ``async_op=True`` return a ``Work`` and complete in issue order, except non-blocking
+sends and receives, which progress side by side.
+
+A communicator serves one thread at a time, in the process that made it: a call from a second
+thread while another is inside a call, or any call in a forked child, raises ``UsageError`` (the
+first also aborts the communicator on every rank, since the two threads' calls could pair with
+different calls elsewhere).
 
 Strided (non-contiguous) inputs are copied to a contiguous buffer first; for ops that write into
 their input (all_reduce, broadcast, reduce, recv) the result is copied back into it afterwards.
@@ -12,17 +20,66 @@ their input (all_reduce, broadcast, reduce, recv) the result is copied back into
 
 from __future__ import annotations
 
+import functools
 import json
 import os
+import struct
+import threading
+import weakref
 from collections.abc import Callable
 from typing import Any
 
-from gpucoll.arrays import ArrayRef, dtype_from_name, new_array, write_back
+import numpy as np
+
+from gpucoll.arrays import (
+    SUPPORTED_DTYPES,
+    ArrayRef,
+    as_ref,
+    dtype_from_name,
+    new_array,
+    write_back,
+)
 from gpucoll.backends.base import Backend
-from gpucoll.errors import CollectiveTimeout, GpucollError, StoreTimeout
+from gpucoll.errors import (
+    CollectiveMismatch,
+    CollectiveTimeout,
+    GpucollError,
+    StoreTimeout,
+    UsageError,
+)
+from gpucoll.progress import KIND
 from gpucoll.signature import SignatureCheck
 from gpucoll.validation import Call, check_timeout
 from gpucoll.work import Work
+
+_LIVE: weakref.WeakSet = weakref.WeakSet()  # communicators of this process, for fork handling
+
+
+def _forked() -> None:
+    for comm in list(_LIVE):
+        comm._forked = True
+
+
+os.register_at_fork(after_in_child=_forked)
+
+
+def _entry(method: Callable) -> Callable:
+    """A public call: refused in a forked child, and while another thread is inside a call."""
+    name = method.__name__
+
+    @functools.wraps(method)
+    def call(self: Communicator, *args: Any, **kwargs: Any) -> Any:
+        if self._forked:
+            raise self._in_child(name)
+        if not self._entry.acquire(blocking=False):
+            raise self._concurrent(name)
+        self._inside = name
+        try:
+            return method(self, *args, **kwargs)
+        finally:
+            self._entry.release()
+
+    return call
 
 
 def debug_enabled() -> bool:
@@ -41,7 +98,7 @@ class Communicator:
     """
 
     def __init__(self, backend: Backend, store: Any, *, timeout: float,
-                 debug: bool | None = None, owned_store: Any = None):
+                 debug: bool | None = None, owned_store: Any = None, liveness: Any = None):
         self._backend = backend
         self.rank: int = backend.rank
         self.size: int = backend.size
@@ -51,18 +108,25 @@ class Communicator:
         self.timeout = check_timeout(timeout, "timeout", "Communicator")
         self._store = store
         self._owned_store = owned_store
+        self._liveness = liveness
+        self._progress = backend.progress
         self._closed = False
+        self._forked = False
+        self._pid = os.getpid()
+        self._entry = threading.Lock()  # held by the thread inside a call
+        self._inside = ""  # the call that thread is in (for the concurrent-use message)
         self._seq = 0  # collective calls that passed validation, the same count on every rank
-        self._scatters = 0
         self._splits = 0
+        self._agreements = 0  # values agreed through the store so far
         self._children: list[Communicator] = []
         self._calls: dict[str, Call] = {}
-        self._headers: dict[tuple, str] = {}  # scatter headers by (dtype, shape, kind)
         self._check = SignatureCheck(store, self.rank, self.size) if (
             debug_enabled() if debug is None else debug) else None
+        _LIVE.add(self)
 
     # -- reductions, in place ---------------------------------------------------------------
 
+    @_entry
     def all_reduce(self, x: Any, op: Any = "sum", *, async_op: bool = False,
                    timeout: float | None = None, stream: Any = None) -> Any:
         """Combine ``x`` over all ranks with ``op``, in place; returns ``x``.
@@ -73,11 +137,12 @@ class Communicator:
         ref = c.array(x, "x", writable=True)
         rop = c.op(op, ref.dtype)
         t = c.timeout(timeout, self.timeout)
-        self._signature(c, t, ref, op=rop)
+        seq = self._signature(c, t, ref, op=rop)
         b = self._backend
-        return self._issue(c, lambda: b.all_reduce(ref, rop, timeout=t, stream=stream),
+        return self._issue(c, seq, lambda: b.all_reduce(ref, rop, timeout=t, stream=stream),
                            x, async_op, stream, ref, x)
 
+    @_entry
     def reduce(self, x: Any, root: int = 0, op: Any = "sum", *, async_op: bool = False,
                timeout: float | None = None, stream: Any = None) -> Any:
         """Combine ``x`` over all ranks into root's ``x``; returns ``x`` (unchanged off root)."""
@@ -86,11 +151,12 @@ class Communicator:
         ref = c.array(x, "x", writable=self.rank == root)
         rop = c.op(op, ref.dtype)
         t = c.timeout(timeout, self.timeout)
-        self._signature(c, t, ref, op=rop, root=root)
+        seq = self._signature(c, t, ref, op=rop, root=root)
         b = self._backend
-        return self._issue(c, lambda: b.reduce(ref, root, rop, timeout=t, stream=stream),
+        return self._issue(c, seq, lambda: b.reduce(ref, root, rop, timeout=t, stream=stream),
                            x, async_op, stream, ref, x)
 
+    @_entry
     def broadcast(self, x: Any, root: int = 0, *, async_op: bool = False,
                   timeout: float | None = None, stream: Any = None) -> Any:
         """Copy root's ``x`` into every rank's ``x`` (same shape and dtype); returns ``x``."""
@@ -98,13 +164,14 @@ class Communicator:
         root = c.rank_arg(root, "root")
         ref = c.array(x, "x", writable=self.rank != root)
         t = c.timeout(timeout, self.timeout)
-        self._signature(c, t, ref, root=root)
+        seq = self._signature(c, t, ref, root=root)
         b = self._backend
-        return self._issue(c, lambda: b.broadcast(ref, root, timeout=t, stream=stream),
+        return self._issue(c, seq, lambda: b.broadcast(ref, root, timeout=t, stream=stream),
                            x, async_op, stream, ref, x)
 
     # -- ops that make a new array (or fill out=) -----------------------------------------
 
+    @_entry
     def all_gather(self, x: Any, *, tiled: bool = False, out: Any = None, async_op: bool = False,
                    timeout: float | None = None, stream: Any = None) -> Any:
         """Every rank's ``x`` on every rank: shape ``(size, *x.shape)``, slot i from rank i.
@@ -115,11 +182,12 @@ class Communicator:
         ref = c.array(x, "x")
         t = c.timeout(timeout, self.timeout)
         res = c.output(out, ref, c.stacked(tuple(ref.shape), tiled), (ref,))
-        self._signature(c, t, ref, tiled=tiled)
+        seq = self._signature(c, t, ref, tiled=tiled)
         b = self._backend
-        return self._issue(c, lambda: b.all_gather(ref, res, timeout=t, stream=stream),
+        return self._issue(c, seq, lambda: b.all_gather(ref, res, timeout=t, stream=stream),
                            res.array, async_op, stream)
 
+    @_entry
     def gather(self, x: Any, root: int = 0, *, tiled: bool = False, out: Any = None,
                async_op: bool = False, timeout: float | None = None, stream: Any = None) -> Any:
         """Every rank's ``x`` on root, as ``all_gather`` lays it out; None on other ranks.
@@ -133,18 +201,20 @@ class Communicator:
         res = None
         if self.rank == root:
             res = c.output(out, ref, c.stacked(tuple(ref.shape), tiled), (ref,))
-        self._signature(c, t, ref, root=root, tiled=tiled)
+        seq = self._signature(c, t, ref, root=root, tiled=tiled)
         b = self._backend
-        return self._issue(c, lambda: b.gather(ref, res, root, timeout=t, stream=stream),
+        return self._issue(c, seq, lambda: b.gather(ref, res, root, timeout=t, stream=stream),
                            None if res is None else res.array, async_op, stream)
 
+    @_entry
     def scatter(self, x: Any = None, root: int = 0, *, tiled: bool = False, out: Any = None,
                 async_op: bool = False, timeout: float | None = None, stream: Any = None) -> Any:
         """Root's ``x`` of shape ``(size, *s)`` split by slot: rank i gets ``x[i]``, shape ``s``.
 
         ``tiled=True``: root's ``x`` is ``(size * k, ...)`` and each rank gets ``k`` rows.
-        Other ranks pass ``x=None`` (dtype and shape come from root, through the store) or an
-        ``out=`` buffer; ``x`` is ignored off root.
+        Other ranks pass ``x=None`` (dtype and shape come from root) or an ``out=`` buffer; ``x``
+        is ignored off root. The ranks first agree on the slot's layout, so an ``out`` that does
+        not match root's slots is a CollectiveMismatch on every rank before any data moves.
         """
         c = self._call("scatter")
         root = c.rank_arg(root, "root")
@@ -158,12 +228,13 @@ class Communicator:
         else:
             src = None
             res = None if out is None else c.array(out, "out", writable=True, copy=False)
-        self._signature(c, t, res, root=root, tiled=tiled)
-        res = self._scatter_header(c, root, src, res, t)
+        seq = self._signature(c, t, res, root=root, tiled=tiled)
+        res = self._scatter_layout(c, seq, root, src, res, t)
         b = self._backend
-        return self._issue(c, lambda: b.scatter(src, res, root, timeout=t, stream=stream),
+        return self._issue(c, seq, lambda: b.scatter(src, res, root, timeout=t, stream=stream),
                            res.array, async_op, stream)
 
+    @_entry
     def reduce_scatter(self, x: Any, op: Any = "sum", *, tiled: bool = False, out: Any = None,
                        async_op: bool = False, timeout: float | None = None,
                        stream: Any = None) -> Any:
@@ -176,11 +247,13 @@ class Communicator:
         rop = c.op(op, ref.dtype)
         t = c.timeout(timeout, self.timeout)
         res = c.output(out, ref, c.slots(ref, "x", tiled), (ref,))
-        self._signature(c, t, ref, op=rop, tiled=tiled)
+        seq = self._signature(c, t, ref, op=rop, tiled=tiled)
         b = self._backend
-        return self._issue(c, lambda: b.reduce_scatter(ref, res, rop, timeout=t, stream=stream),
+        return self._issue(c, seq,
+                           lambda: b.reduce_scatter(ref, res, rop, timeout=t, stream=stream),
                            res.array, async_op, stream)
 
+    @_entry
     def all_to_all(self, x: Any, *, tiled: bool = False, out: Any = None, async_op: bool = False,
                    timeout: float | None = None, stream: Any = None) -> Any:
         """Exchange slots: ``x`` and the result have shape ``(size, *s)``, and result slot j is
@@ -190,47 +263,62 @@ class Communicator:
         t = c.timeout(timeout, self.timeout)
         c.slots(ref, "x", tiled)
         res = c.output(out, ref, tuple(ref.shape), (ref,))
-        self._signature(c, t, ref, tiled=tiled)
+        seq = self._signature(c, t, ref, tiled=tiled)
         b = self._backend
-        return self._issue(c, lambda: b.all_to_all(ref, res, timeout=t, stream=stream),
+        return self._issue(c, seq, lambda: b.all_to_all(ref, res, timeout=t, stream=stream),
                            res.array, async_op, stream)
 
     # -- point to point and barrier ---------------------------------------------------------
 
+    @_entry
     def send(self, x: Any, dst: int, *, async_op: bool = False, timeout: float | None = None,
              stream: Any = None) -> Work | None:
-        """Send ``x`` to rank ``dst``, which calls ``recv`` with the same dtype and size."""
+        """Send ``x`` to rank ``dst``, which calls ``recv`` with the same dtype and size.
+
+        With ``async_op=True`` the send progresses alongside later sends and receives (a
+        blocking ``recv`` completes while it is pending). Messages between two ranks arrive in
+        the order they were sent.
+        """
         c = self._call("send")
         ref = c.array(x, "x")
         dst = c.peer(dst, "dst")
         t = c.timeout(timeout, self.timeout)
         check = self._pair_signature(c, ref, dst, sending=True)
         b = self._backend
-        return self._issue(c, lambda: b.send(ref, dst, timeout=t, stream=stream),
+        if async_op and check is None:
+            return b.isend(ref, dst, timeout=t, stream=stream).bind(None, c.where)
+        return self._issue(c, None, lambda: b.send(ref, dst, timeout=t, stream=stream),
                            None, async_op, stream, check=check, timeout=t)
 
+    @_entry
     def recv(self, x: Any, src: int, *, async_op: bool = False, timeout: float | None = None,
              stream: Any = None) -> Any:
-        """Receive into ``x`` what rank ``src`` sends; returns ``x``."""
+        """Receive into ``x`` what rank ``src`` sends; returns ``x``.
+
+        ``async_op=True`` posts the receive and returns its Work at once (see ``send``)."""
         c = self._call("recv")
         ref = c.array(x, "x", writable=True)
         src = c.peer(src, "src")
         t = c.timeout(timeout, self.timeout)
         check = self._pair_signature(c, ref, src, sending=False)
         b = self._backend
-        return self._issue(c, lambda: b.recv(ref, src, timeout=t, stream=stream),
+        if async_op and check is None and ref.array is x:
+            return b.irecv(ref, src, timeout=t, stream=stream).bind(x, c.where)
+        return self._issue(c, None, lambda: b.recv(ref, src, timeout=t, stream=stream),
                            x, async_op, stream, ref, x, check=check, timeout=t)
 
+    @_entry
     def barrier(self, *, async_op: bool = False, timeout: float | None = None) -> Work | None:
         """Return once every rank has called barrier (and, in issue order, all earlier work)."""
         c = self._call("barrier")
         t = c.timeout(timeout, self.timeout)
-        self._signature(c, t, None)
+        seq = self._signature(c, t, None)
         b = self._backend
-        return self._issue(c, lambda: b.barrier(timeout=t), None, async_op, None)
+        return self._issue(c, seq, lambda: b.barrier(timeout=t), None, async_op, None)
 
-    # -- groups and lifecycle ---------------------------------------------------------------
+    # -- groups and lifetime ---------------------------------------------------------------
 
+    @_entry
     def split(self, color: int | None, key: int = 0, *,
               timeout: float | None = None) -> Communicator | None:
         """A communicator of the ranks that pass the same ``color`` (MPI_Comm_split).
@@ -244,10 +332,11 @@ class Communicator:
         if not isinstance(key, int) or isinstance(key, bool):
             raise c.fail(TypeError, f"key must be an int, got {type(key).__name__}")
         t = c.timeout(timeout, self.timeout)
-        self._signature(c, t, None)
+        seq = self._signature(c, t, None)
         n = self._splits
         self._splits += 1
-        entries = self._share(f"split/{n}", [color, key], t, c)
+        entries = [json.loads(e) for e in self._agree(c, seq, json.dumps([color, key]).encode(),
+                                                      t, "split")]
         sub_store, sub_rank, sub_size = None, None, 0
         if color is not None:
             members = sorted((k, r) for r, (col, k) in enumerate(entries) if col == color)
@@ -281,13 +370,23 @@ class Communicator:
 
     def close(self) -> None:
         """Finish issued work, release the backend (and the store, if this communicator made
-        it) and communicators split from this one. Idempotent; not collective."""
+        it) and communicators split from this one. Idempotent; not collective.
+
+        Raises PeerFailure if a peer left without receiving data this rank sent it, or
+        CollectiveMismatch if a peer sent data that no call here received (everything is
+        released first). In a forked child it only marks the communicator closed: the parent's
+        connections are the parent's."""
         if self._closed:
             return
         self._closed = True
+        if self._forked:
+            return
         try:
             for child in self._children:
-                child.close()
+                try:
+                    child.close()
+                except GpucollError:
+                    pass  # the child's peers see their own side of it
             try:
                 self._backend.run_sync(lambda: None)
             except GpucollError:
@@ -300,8 +399,14 @@ class Communicator:
     def __enter__(self) -> Communicator:
         return self
 
-    def __exit__(self, *exc: object) -> None:
-        self.close()
+    def __exit__(self, kind: type | None, *exc: object) -> None:
+        if kind is None:
+            self.close()
+            return
+        try:  # an error is already on its way out: closing must not replace it
+            self.close()
+        except GpucollError:
+            pass
 
     def __repr__(self) -> str:
         state = "closed" if self._closed else "open"
@@ -318,27 +423,66 @@ class Communicator:
             call = self._calls[name] = Call(name, self.rank, self.size)
         return call
 
-    def _issue(self, c: Call, call: Callable[[], None], result: Any, async_op: bool,
-               stream: Any, staged: ArrayRef | None = None, target: Any = None,
+    def _in_child(self, name: str) -> UsageError:
+        return UsageError(
+            f"{name} on rank {self.rank} of {self.size}: this communicator belongs to process "
+            f"{self._pid} and this is a forked child of it; a child cannot use its "
+            f"parent's communicator (make a new one with gpucoll.init in the child, or use "
+            f"the 'spawn' or 'forkserver' start method)")
+
+    def _concurrent(self, name: str) -> UsageError:
+        """Another thread is inside a call: abort everywhere (the two threads' calls could
+        pair with different calls on other ranks) and say so."""
+        message = (f"{name} on rank {self.rank} of {self.size}: another thread is inside "
+                   f"{self._inside or 'a call'} on this communicator; a communicator serves one "
+                   f"thread at a time (give each thread its own, e.g. with split), so it is "
+                   f"aborted on every rank")
+        try:
+            self._backend.abort(message)
+        except Exception:  # noqa: BLE001 - the UsageError below is what matters
+            pass
+        return UsageError(message)
+
+    def _issue(self, c: Call, seq: int | None, call: Callable[[], None], result: Any,
+               async_op: bool, stream: Any, staged: ArrayRef | None = None, target: Any = None,
                check: Callable[[float], None] | None = None, timeout: float = 0.0) -> Any:
-        """Run ``call`` now (sync) or in issue order (async); copy a contiguous stand-in of a
-        strided ``target`` back into it afterwards; run a debug ``check`` first."""
+        """Run ``call`` now (sync) or in issue order (async), marked in the progress record as
+        collective ``seq``; copy a contiguous stand-in of a strided ``target`` back into it
+        afterwards; run a debug ``check`` first."""
         if check is not None or (staged is not None and staged.array is not target):
             call = _wrapped(call, check, timeout, staged, target)
+        if seq is not None:
+            call = self._tracked(seq, KIND[c.name], call)
         if async_op:
             return self._backend.run_async(call, stream=stream).bind(result, c.where)
         self._backend.run_sync(call)
         return result
 
-    def _signature(self, c: Call, t: float, ref: ArrayRef | None, **fields: Any) -> None:
+    def _tracked(self, seq: int, kind: int, call: Callable[[], None]) -> Callable[[], None]:
+        progress = self._progress
+
+        def run() -> None:
+            progress.enter(seq, kind)
+            ok = False
+            try:
+                call()
+                ok = True
+            finally:
+                progress.leave(ok)
+
+        return run
+
+    def _signature(self, c: Call, t: float, ref: ArrayRef | None, **fields: Any) -> int:
+        """The sequence number of this collective (after the debug check, when it is on)."""
         seq = self._seq
         self._seq += 1
         if self._check is None:
-            return
+            return seq
         sig = {"call": c.name, "dtype": None, "shape": None, **fields}
         if ref is not None:
             sig["dtype"], sig["shape"] = ref.dtype.name, list(ref.shape)
         self._check.collective(seq, sig, t, c.where)
+        return seq
 
     def _pair_signature(self, c: Call, ref: ArrayRef, peer: int,
                         sending: bool) -> Callable[[float], None] | None:
@@ -348,60 +492,87 @@ class Communicator:
                "count": ref.count, "peer": peer}
         return self._check.point_to_point(peer, sending, sig, c.where)
 
-    def _scatter_header(self, c: Call, root: int, src: ArrayRef | None, res: ArrayRef | None,
-                        t: float) -> ArrayRef:
-        """Root tells the other ranks the slot's dtype, shape and array kind through the
-        store; they check their ``out`` against it or allocate one."""
-        n = self._scatters
-        self._scatters += 1
-        if self.size == 1:
-            return res
-        key = f"scatter/{n}"
-        if self.rank == root:
-            self._store.set(key, self._header(res, src.kind))
-            return res
-        try:
-            head = json.loads(self._store.get(key, timeout=t))
-        except StoreTimeout:
-            raise CollectiveTimeout(f"{c.where}: root {root} did not start scatter #{n} "
-                                    f"within {t:g} s") from None
-        if self._store.add(f"{key}/read", 1) == self.size - 1:
-            self._store.delete_key(key)
-            self._store.delete_key(f"{key}/read")
-        dtype, shape = dtype_from_name(head["dtype"]), tuple(head["shape"])
-        if res is None:
-            return c.array(new_array(head["kind"], shape, dtype), "out")
-        if res.dtype != dtype or tuple(res.shape) != shape:
-            raise c.fail(ValueError, f"out is {res.dtype.name}{list(res.shape)} but root {root} "
-                                     f"scatters slots of {dtype.name}{list(shape)}")
-        return res
+    # -- agreeing on small values before a call ---------------------------------------------
 
-    def _header(self, res: ArrayRef, kind: str) -> str:
-        """scatter's slot description as JSON, encoded once per (dtype, shape, kind)."""
-        facts = (res.dtype, res.shape, kind)
-        head = self._headers.get(facts)
-        if head is None:
-            if len(self._headers) >= 64:  # a program scattering many shapes: keep it bounded
-                self._headers.clear()
-            head = self._headers[facts] = json.dumps(
-                {"dtype": res.dtype.name, "shape": list(res.shape), "kind": kind})
-        return head
+    def _agree(self, c: Call, seq: int, value: bytes, t: float, what: str) -> list[bytes]:
+        """Every rank's ``value`` (at most ``_AGREE_BYTES``) in rank order; collective. On a
+        backend that runs on host arrays it travels in-band (a dead peer is noticed at once);
+        otherwise through the store."""
+        if len(value) > _AGREE_BYTES:
+            raise c.fail(ValueError, f"{what}'s description is {len(value)} bytes, more than "
+                                     f"{_AGREE_BYTES}")
+        if getattr(self._backend, "host_control", False):
+            mine = np.zeros(_AGREE_BYTES + 2, np.uint8)
+            mine[:2] = np.frombuffer(struct.pack("<H", len(value)), np.uint8)
+            mine[2:2 + len(value)] = np.frombuffer(value, np.uint8)
+            every = np.empty((self.size, mine.size), np.uint8)
+            x, out = as_ref(mine, "value"), as_ref(every, "out")
+            b = self._backend
+            b.run_sync(self._tracked(seq, KIND[c.name],
+                                     lambda: b.all_gather(x, out, timeout=t)))
+            return [row[2:2 + struct.unpack("<H", row[:2].tobytes())[0]].tobytes()
+                    for row in every]
+        return self._share(value, t, c)
 
-    def _share(self, key: str, value: Any, t: float, c: Call) -> list[Any]:
-        """Every rank's ``value`` (JSON) in rank order, through the store; collective."""
-        keys = [f"{key}/{r}" for r in range(self.size)]
-        self._store.set(keys[self.rank], json.dumps(value))
+    def _share(self, value: bytes, t: float, c: Call) -> list[bytes]:
+        """Every rank's ``value`` in rank order, through the store; collective. A rank deletes
+        its key of two agreements ago: every rank has read it by the time this one is made."""
+        n = self._agreements
+        self._agreements += 1
+        keys = [f"agree/{n}/{r}" for r in range(self.size)]
+        self._store.set(keys[self.rank], value)
         try:
-            self._store.wait(keys, timeout=t)
+            values = list(self._store.multi_get(keys, timeout=t))
         except StoreTimeout:
             missing = [r for r, k in enumerate(keys) if not self._store.check([k])]
             raise CollectiveTimeout(f"{c.where}: ranks {missing} did not call it within "
                                     f"{t:g} s") from None
-        values = [json.loads(v) for v in self._store.multi_get(keys)]
-        if self._store.add(f"{key}/read", 1) == self.size:
-            for k in keys + [f"{key}/read"]:
-                self._store.delete_key(k)
+        if n >= 2:
+            self._store.delete_key(f"agree/{n - 2}/{self.rank}")
         return values
+
+    def _scatter_layout(self, c: Call, seq: int, root: int, src: ArrayRef | None,
+                        res: ArrayRef | None, t: float) -> ArrayRef:
+        """The ranks agree on the slot layout: root's slots, and the ``out`` of every other
+        rank that passed one. A disagreement is a CollectiveMismatch on every rank, before any
+        data moves; a rank without ``out`` gets a new array like root's."""
+        if self.size == 1:
+            return res
+        if self.rank == root:
+            mine = _layout(res.dtype, res.shape, src.kind)
+        else:
+            mine = b"" if res is None else _layout(res.dtype, res.shape, res.kind)
+        layouts = [_read_layout(v) for v in self._agree(c, seq, mine, t, "scatter")]
+        dtype, shape, kind = layouts[root]
+        odd = [r for r, lay in enumerate(layouts)
+               if lay is not None and r != root and lay[:2] != (dtype, shape)]
+        if odd:
+            detail = "; ".join(f"rank {r}'s out is {layouts[r][0].name}{list(layouts[r][1])}"
+                               for r in odd)
+            raise CollectiveMismatch(
+                f"{c.where}: root {root} scatters slots of {dtype.name}{list(shape)}, but "
+                f"{detail}; no data moved")
+        if res is None:
+            return c.array(new_array(kind, shape, dtype), "out")
+        return res
+
+
+_AGREE_BYTES = 1024
+_LAYOUT = struct.Struct("<BBB")  # dtype code, array kind, ndim; then ndim int64 extents
+_KINDS = ("host", "device")
+
+
+def _layout(dtype: np.dtype, shape: tuple[int, ...], kind: str) -> bytes:
+    return _LAYOUT.pack(SUPPORTED_DTYPES.index(dtype.name), _KINDS.index(kind), len(shape)) + \
+        struct.pack(f"<{len(shape)}q", *shape)
+
+
+def _read_layout(data: bytes) -> tuple[np.dtype, tuple[int, ...], str] | None:
+    if not data:
+        return None
+    code, kind, ndim = _LAYOUT.unpack_from(data)
+    shape = struct.unpack_from(f"<{ndim}q", data, _LAYOUT.size)
+    return dtype_from_name(SUPPORTED_DTYPES[code]), tuple(shape), _KINDS[kind]
 
 
 def _wrapped(call: Callable[[], None], check: Callable[[float], None] | None, timeout: float,

@@ -9,7 +9,12 @@ from __future__ import annotations
 
 
 class GpucollError(Exception):
-    """Base of every error gpucoll raises on its own account."""
+    """Base of every error gpucoll raises on its own account.
+
+    ``peer`` is the rank the error is about (a dead, stuck or disagreeing rank), when known.
+    """
+
+    peer: int | None = None
 
 
 class CollectiveTimeout(GpucollError, TimeoutError):
@@ -29,6 +34,11 @@ class PeerFailure(GpucollError):
 
 class CollectiveMismatch(GpucollError):
     """Ranks called different collectives, or the same one with different arguments."""
+
+
+class UsageError(GpucollError, RuntimeError):
+    """A communicator was used in a way that cannot work: from a forked child process, or
+    from a second thread while another thread is inside a call."""
 
 
 class StoreError(GpucollError):
@@ -51,4 +61,5 @@ __all__ = [
     "PeerFailure",
     "StoreError",
     "StoreTimeout",
+    "UsageError",
 ]

@@ -13,6 +13,7 @@ from gpucoll.work import CompletedWork
 
 class RecordingBackend(Backend):
     name = "recording"
+    host_control = True  # the communicator's in-band agreements reach all_gather below
 
     def __init__(self, rank: int, size: int):
         self.rank, self.size = rank, size
@@ -32,7 +33,10 @@ class RecordingBackend(Backend):
         self._record("reduce", x, root, op)
 
     def all_gather(self, x, out, *, timeout, stream=None):
+        """Records the call; host buffers come back as if every rank had passed ``x``."""
         self._record("all_gather", x, out)
+        if x.host is not None and out.host is not None:
+            out.host.reshape(self.size, -1)[:] = x.host
 
     def gather(self, x, out, root, *, timeout, stream=None):
         self._record("gather", x, out, root)

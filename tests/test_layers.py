@@ -42,6 +42,7 @@ LAYER_OF = {
     "gpucoll.store": "store",
     "gpucoll.rendezvous": "store",
     "gpucoll.errors": "leaf",
+    "gpucoll.progress": "leaf",
     "gpucoll.ops": "leaf",
     "gpucoll.arrays": "leaf",
     "gpucoll.work": "leaf",

@@ -10,10 +10,13 @@ import ml_dtypes
 import numpy as np
 import pytest
 
-from gpucoll.errors import CollectiveTimeout, PeerFailure
+from gpucoll.errors import CollectiveMismatch, CollectiveTimeout, PeerFailure
+from gpucoll.progress import Progress
 from gpucoll.transport import mesh, shm, tcp
 from gpucoll.transport.engine import Engine, Recv, RecvReduce, Send, State
-from gpucoll.transport.monitor import CLOSE, Monitor, encode_abort
+from gpucoll.transport.monitor import Monitor, encode_abort, encode_close
+
+H = b"h" * 32  # a frame header: the engine only compares it with the expected one
 
 
 @pytest.fixture
@@ -70,7 +73,7 @@ def test_a_message_many_times_the_ring_size_arrives_intact(shm_pair, bell):
     a, b = shm_pair
     x = np.random.default_rng(0).integers(0, 255, 100_003, dtype=np.uint8)
     y = np.zeros_like(x)
-    _engine(bell).run([Send(a, x), Recv(b, y)], deadline=_soon(10), opname="test")
+    _engine(bell).run([Send(a, x, H), Recv(b, y, H)], deadline=_soon(10), opname="test")
     np.testing.assert_array_equal(x, y)
 
 
@@ -81,7 +84,7 @@ def test_messages_of_mixed_itemsizes_stay_aligned_and_reduce_correctly(pair, bel
                          (np.int8, 5), (np.float64, 2049)):
         x = np.arange(count).astype(dtype)
         acc = np.ones(count, dtype)
-        eng.run([Send(a, x), RecvReduce(b, acc, np.add)], deadline=_soon(10), opname="test")
+        eng.run([Send(a, x, H), RecvReduce(b, acc, np.add, H)], deadline=_soon(10), opname="test")
         np.testing.assert_array_equal(acc, np.arange(count).astype(dtype) + np.ones(1, dtype))
 
 
@@ -90,7 +93,8 @@ def test_reduce_into_a_separate_accumulator_keeps_the_source(pair, bell):
     src = np.full(5000, 2.0, np.float32)
     acc = np.zeros(5000, np.float32)
     x = np.full(5000, 3.0, np.float32)
-    _engine(bell).run([Send(a, x), RecvReduce(b, acc, np.multiply, src=src)], _soon(10), "test")
+    _engine(bell).run([Send(a, x, H), RecvReduce(b, acc, np.multiply, H, src=src)], _soon(10),
+                      "test")
     assert (acc == 6.0).all() and (src == 2.0).all()
 
 
@@ -99,7 +103,8 @@ def test_both_directions_at_once_never_deadlock_on_large_messages(tcp_pair, bell
     big = 32 << 20  # well past both socket buffers
     xa, xb = np.full(big, 1, np.uint8), np.full(big, 2, np.uint8)
     ya, yb = np.zeros(big, np.uint8), np.zeros(big, np.uint8)
-    _engine(bell).run([Send(a, xa), Send(b, xb), Recv(a, ya), Recv(b, yb)], _soon(30), "test")
+    ops = [Send(a, xa, H), Send(b, xb, H), Recv(a, ya, H), Recv(b, yb, H)]
+    _engine(bell).run(ops, _soon(30), "test")
     assert (ya == 2).all() and (yb == 1).all()
 
 
@@ -107,10 +112,10 @@ def test_a_gated_send_forwards_only_what_has_arrived(pair, bell):
     a, b = pair
     x = np.arange(50_000, dtype=np.int32)
     relay = np.zeros_like(x)
-    incoming = Recv(b, relay)
-    forward = Send(b, relay, gate=incoming)
+    incoming = Recv(b, relay, H)
+    forward = Send(b, relay, H, gate=incoming)
     back = np.zeros_like(x)
-    _engine(bell).run([Send(a, x), incoming, forward, Recv(a, back)], _soon(10), "test")
+    _engine(bell).run([Send(a, x, H), incoming, forward, Recv(a, back, H)], _soon(10), "test")
     np.testing.assert_array_equal(back, x)
 
 
@@ -126,17 +131,17 @@ def test_a_gated_send_forwards_only_finished_elements_of_a_reduction(tcp_pair, b
     slow = _Dribbling(0, b.sock)
     x = np.arange(3000, dtype=np.int64)
     acc = np.zeros_like(x)
-    incoming = RecvReduce(slow, acc, np.add, src=np.full_like(x, 10))
+    incoming = RecvReduce(slow, acc, np.add, H, src=np.full_like(x, 10))
     back = np.zeros_like(x)
-    _engine(bell).run([Send(a, x), incoming, Send(slow, acc, gate=incoming), Recv(a, back)],
-                      _soon(10), "test")
+    ops = [Send(a, x, H), incoming, Send(slow, acc, H, gate=incoming), Recv(a, back, H)]
+    _engine(bell).run(ops, _soon(10), "test")
     np.testing.assert_array_equal(back, x + 10)
 
 
 def test_receive_with_no_sender_times_out_naming_op_and_peer(pair, bell):
     _, b = pair
     with pytest.raises(CollectiveTimeout, match=r"all_reduce on rank 0 .* receive from rank 0"):
-        _engine(bell).run([Recv(b, np.zeros(4, np.uint8))], _soon(0.2), "all_reduce")
+        _engine(bell).run([Recv(b, np.zeros(4, np.uint8), H)], _soon(0.2), "all_reduce")
 
 
 def test_a_failure_reported_by_the_monitor_wakes_a_waiting_receive(pair, bell):
@@ -145,7 +150,7 @@ def test_a_failure_reported_by_the_monitor_wakes_a_waiting_receive(pair, bell):
     state.failure = PeerFailure("rank 3 died", peer=3)
     os.eventfd_write(bell, 1)
     with pytest.raises(PeerFailure, match="rank 3 died"):
-        _engine(bell, state).run([Recv(b, np.zeros(4, np.uint8))], _soon(10), "test")
+        _engine(bell, state).run([Recv(b, np.zeros(4, np.uint8), H)], _soon(10), "test")
 
 
 def test_a_closed_tcp_peer_is_a_peer_failure(tcp_pair, bell):
@@ -154,7 +159,7 @@ def test_a_closed_tcp_peer_is_a_peer_failure(tcp_pair, bell):
     state = State()
     state.ended.add(0)  # the monitor has seen the peer's control connection end, no failure
     with pytest.raises(PeerFailure) as info:
-        _engine(bell, state).run([Recv(b, np.zeros(4, np.uint8))], _soon(10), "test")
+        _engine(bell, state).run([Recv(b, np.zeros(4, np.uint8), H)], _soon(10), "test")
     assert info.value.peer == 0
 
 
@@ -191,27 +196,97 @@ def test_monitor_reports_a_vanished_peer(control):
 
 def test_monitor_accepts_a_clean_close(control):
     mon, state, peer_end, bell = control
-    peer_end.sendall(CLOSE)
+    peer_end.sendall(encode_close(0))
     peer_end.close()
     _wait_for(lambda: 1 in state.ended, bell)
-    assert state.failure is None and 1 in state.closed_peers
+    assert state.failure is None and state.closed_peers == {1: 0}
+
+
+def test_a_peer_that_closes_before_consuming_what_we_sent_is_a_failure(control):
+    mon, state, peer_end, bell = control
+    mon.unconsumed = lambda peer, consumed: 4096 - consumed
+    peer_end.sendall(encode_close(1024))
+    _wait_for(lambda: state.failure is not None, bell)
+    assert isinstance(state.failure, PeerFailure) and state.failure.peer == 1
+    assert "without receiving 3072 bytes" in str(state.failure)
 
 
 def test_monitor_blames_the_culprit_an_abort_names(control):
     mon, state, peer_end, bell = control
-    message = encode_abort("rank 2 died", culprit=2)
+    message = encode_abort(PeerFailure("rank 2 died", peer=2), culprit=2)
     peer_end.sendall(message[:3])  # split messages are reassembled
     peer_end.sendall(message[3:])
     _wait_for(lambda: state.failure is not None, bell)
-    assert state.failure.peer == 2 and "rank 2 failed (reported by rank 1)" in str(state.failure)
+    assert isinstance(state.failure, PeerFailure) and state.failure.peer == 2
+    assert "rank 1 reported a failure caused by rank 2" in str(state.failure)
 
 
-def test_monitor_reports_a_peer_that_aborted_on_its_own(control):
+@pytest.mark.parametrize("error", [CollectiveTimeout("barrier timed out"),
+                                   CollectiveMismatch("ranks disagree")])
+def test_a_peers_timeout_or_mismatch_is_raised_here_as_the_same_kind(control, error):
     mon, state, peer_end, bell = control
-    peer_end.sendall(encode_abort("CollectiveTimeout: barrier timed out", culprit=1))
+    peer_end.sendall(encode_abort(error, culprit=1))
     _wait_for(lambda: state.failure is not None, bell)
-    assert state.failure.peer == 1
-    assert "rank 1 aborted: CollectiveTimeout: barrier timed out" in str(state.failure)
+    assert type(state.failure) is type(error) and state.failure.peer == 1
+    assert f"rank 1 failed: {type(error).__name__}: {error}" in str(state.failure)
+
+
+def test_an_interrupted_peer_is_a_peer_failure(control):
+    mon, state, peer_end, bell = control
+    peer_end.sendall(encode_abort(KeyboardInterrupt(), culprit=1))
+    _wait_for(lambda: state.failure is not None, bell)
+    assert isinstance(state.failure, PeerFailure) and "KeyboardInterrupt" in str(state.failure)
+
+
+def test_monitor_answers_where_its_rank_is(control):
+    mon, state, peer_end, bell = control
+    mon.progress.enter(17, 1)
+    peer_end.sendall(b"Q")
+    reply = peer_end.recv(1 + 64)
+    assert reply[:1] == b"P"
+    pos = Progress.decode(0, reply[1:])
+    assert (pos.seq, pos.kind) == (17, 1) and "in all_reduce #17" in pos.where()
+
+
+def test_a_frame_that_differs_from_the_expected_one_is_a_mismatch_naming_both(pair, bell):
+    a, b = pair
+    eng = Engine(0, [], bell, State(), oversubscribed=False, describe=lambda h: h[:4].decode())
+    with pytest.raises(CollectiveMismatch, match="rank 0 sent a message of them where this rank "
+                                                 "expects one of mine"):
+        eng.run([Send(a, np.zeros(4, np.uint8), b"them" + H[4:]),
+                 Recv(b, np.zeros(4, np.uint8), b"mine" + H[4:])], _soon(10), "test")
+
+
+def test_a_send_to_a_peer_that_closed_is_a_peer_failure(pair, bell):
+    a, _ = pair
+    state = State()
+    state.closed_peers[1] = 0
+    with pytest.raises(PeerFailure, match="rank 1 closed its communicator.*cannot be delivered"):
+        _engine(bell, state).run([Send(a, np.zeros(4, np.uint8), H)], _soon(10), "test")
+
+
+def test_a_receive_from_a_peer_that_closed_fails_at_once_unless_its_data_is_there(
+        shm_pair, bell):
+    a, b = shm_pair
+    state = State()
+    eng = _engine(bell, state)
+    eng.run([Send(a, np.arange(4, dtype=np.uint8), H)], _soon(10), "test")
+    state.closed_peers[0] = 0
+    got = np.zeros(4, np.uint8)
+    eng.run([Recv(b, got, H)], _soon(10), "test")  # sent before the close: still delivered
+    assert got.tolist() == [0, 1, 2, 3]
+    with pytest.raises(PeerFailure, match="rank 0 closed its communicator.*expected data"):
+        eng.run([Recv(b, got, H)], _soon(10), "test")
+
+
+def test_non_blocking_messages_move_while_a_call_runs(shm_pair, bell):
+    a, b = shm_pair  # 4 KiB rings: each 100 KB message needs the other side to keep reading
+    eng = _engine(bell)
+    x, y = np.arange(100_000, dtype=np.uint8), np.zeros(100_000, np.uint8)
+    done = []
+    eng.submit(Send(a, x, H), _soon(10), "isend", done.append)
+    eng.run([Recv(b, y, H)], _soon(10), "recv")
+    assert done == [None] and (x == y).all() and not eng.has_background
 
 
 def test_transport_comes_from_the_environment_when_auto(monkeypatch):

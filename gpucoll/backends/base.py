@@ -20,6 +20,8 @@ import abc
 from collections.abc import Callable
 from typing import TYPE_CHECKING, Any, ClassVar
 
+from gpucoll.progress import Progress
+
 if TYPE_CHECKING:
     from gpucoll.arrays import ArrayRef
     from gpucoll.ops import ReduceOp
@@ -30,9 +32,21 @@ class Backend(abc.ABC):
     """A communicator's engine for one group of ranks; constructing one is collective."""
 
     name: ClassVar[str]
+    # True when collectives accept host (NumPy) arrays, so that the communicator can agree on
+    # small values (scatter's slot layout, split's colours) in-band rather than in the store
+    host_control: ClassVar[bool] = False
 
     rank: int
     size: int
+
+    @property
+    def progress(self) -> Progress:
+        """This rank's progress record: the communicator marks each call in it; a backend
+        may share it with its peers (the ring does) and stamps its messages with it."""
+        record = self.__dict__.get("_progress_record")
+        if record is None:
+            record = self.__dict__["_progress_record"] = Progress()
+        return record
 
     @abc.abstractmethod
     def all_reduce(self, x: ArrayRef, op: ReduceOp, *, timeout: float, stream: Any = None) -> None:
@@ -85,6 +99,17 @@ class Backend(abc.ABC):
     @abc.abstractmethod
     def barrier(self, *, timeout: float) -> None:
         ...
+
+    def isend(self, x: ArrayRef, dst: int, *, timeout: float, stream: Any = None) -> Work:
+        """Start a send; by default one more call in issue order (backends that can let sends
+        and receives progress side by side override this)."""
+        return self.run_async(lambda: self.send(x, dst, timeout=timeout, stream=stream),
+                              stream=stream)
+
+    def irecv(self, x: ArrayRef, src: int, *, timeout: float, stream: Any = None) -> Work:
+        """Start a receive into ``x``; see ``isend``."""
+        return self.run_async(lambda: self.recv(x, src, timeout=timeout, stream=stream),
+                              stream=stream)
 
     @abc.abstractmethod
     def run_async(self, call: Callable[[], None], *, stream: Any = None) -> Work:

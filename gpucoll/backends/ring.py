@@ -2,13 +2,24 @@
 
 Construction is collective: ranks meet through the store and build a mesh of connections
 (``gpucoll.transport.mesh``). Calls run inline on the caller's thread (small calls are latency
-bound); ``run_async`` hands calls to one worker thread, which keeps issue order. The first error
-(a timeout, a dead or aborting peer, an interrupt) poisons the backend: peers are told, later
-calls fail at once, and ``close()`` still releases everything.
+bound); ``run_async`` hands calls to one worker thread, which keeps issue order. Non-blocking
+sends and receives (``isend``/``irecv``) are posted to the engine at once and move alongside
+whatever call drives it next, or, when no call runs, on the worker thread: an ``isend`` never
+waits for an earlier one, and a blocking ``recv`` completes while an ``isend`` is pending.
+
+Every message starts with a frame header naming its call (sequence number, kind, dtype, count,
+root, op), which the receiver checks against its own call: ranks that disagree get
+``CollectiveMismatch`` naming both sides instead of wrong data or a hang. The first error (a
+timeout, a mismatch, a dead or aborting peer, an interrupt) poisons the backend: peers are told
+what happened and whom to blame, later calls fail at once, and ``close()`` still releases
+everything. A timeout first asks every peer where it is, so the error names the rank that is
+behind. ``close()`` tells the peers how much of their data this rank consumed, and raises if a
+peer left without receiving what this rank sent it.
 """
 
 from __future__ import annotations
 
+import mmap
 import os
 import queue
 import threading
@@ -20,17 +31,20 @@ import numpy as np
 
 from gpucoll.backends import ring_algos as algos
 from gpucoll.backends.base import Backend
-from gpucoll.errors import CollectiveTimeout, GpucollError, PeerFailure
+from gpucoll.errors import CollectiveMismatch, CollectiveTimeout, GpucollError, PeerFailure
 from gpucoll.ops import ReduceOp, finish_avg, host_ufunc
-from gpucoll.transport.engine import CORES, Engine, State
+from gpucoll.progress import IN_CALL, KIND, SLOTS, Progress, diagnose
+from gpucoll.transport.engine import CORES, Engine, Recv, Send, State
 from gpucoll.transport.mesh import Mesh
-from gpucoll.transport.monitor import CLOSE, Monitor, encode_abort
+from gpucoll.transport.monitor import Monitor, encode_abort, encode_close
 from gpucoll.work import FutureWork
 
 if TYPE_CHECKING:
     from gpucoll.arrays import ArrayRef
 
 _CLOSE_GRACE_S = 2.0  # how long close() lets calls in flight finish before aborting them
+_ASK_S = 1.0  # how long a rank that timed out waits for its peers to say where they are
+_DRIVE = object()  # worker queue item: move the non-blocking messages
 
 
 class RingBackend(Backend):
@@ -39,13 +53,14 @@ class RingBackend(Backend):
     Buffers are host NumPy views (``ArrayRef.host``); device arrays reach this backend through
     ``gpucoll.backends.staged``, which copies them to and from host memory around each call.
     ``order`` is the sequence of ranks around the ring (None: 0, 1, ..., size-1); every rank must
-    pass the same one.
+    pass the same one. ``liveness`` (the store's) lets set-up notice a peer that died.
     """
 
     name = "ring"
+    host_control = True  # runs collectives on host arrays: the communicator agrees in-band
 
     def __init__(self, store: Any, rank: int, size: int, *, timeout: float,
-                 transport: str = "auto", order: list[int] | None = None):
+                 transport: str = "auto", order: list[int] | None = None, liveness: Any = None):
         if not 0 <= rank < size:
             raise ValueError(f"rank={rank} is outside a group of size {size}")
         self.rank, self.size = rank, size
@@ -56,16 +71,30 @@ class RingBackend(Backend):
         self._error: BaseException | None = None
         self._closed = False
         self._released = False  # connections closed (after close() or a failure)
-        self._lock = threading.Lock()  # one call at a time on the links
+        self._lock = threading.Lock()  # held by the thread that drives the engine
+        self._waiting = 0  # threads that want the lock (the worker yields it to them)
         self._queue: queue.SimpleQueue = queue.SimpleQueue()
         self._inflight = 0
         self._idle = threading.Condition()
         self._worker: threading.Thread | None = None
-        self._mesh = Mesh(store, rank, size, timeout=timeout, transport=transport)
+        self._p2p_counts: dict[tuple[int, bool], int] = {}  # (peer, sending) -> messages
+        # the progress record lives in a memfd that ranks on this host can open and read
+        self._progress_fd = os.memfd_create("gpucoll-progress", os.MFD_CLOEXEC)
+        try:
+            os.ftruncate(self._progress_fd, 8 * SLOTS)
+            self._progress_map = mmap.mmap(self._progress_fd, 8 * SLOTS)
+            self._progress_record = Progress(self._progress_map)
+            self._mesh = Mesh(store, rank, size, timeout=timeout, transport=transport,
+                              progress_fd=self._progress_fd, liveness=liveness)
+        except BaseException:
+            self._drop_progress_map()
+            raise
         self.transport = self._mesh.transport
         busy = self._mesh.local_ranks > CORES
-        self._engine = Engine(rank, self._mesh.links, self._mesh.bell, self._state, busy)
-        self._monitor = Monitor(rank, self._mesh.control, self._mesh.bell, self._state)
+        self._engine = Engine(rank, self._mesh.links, self._mesh.bell, self._state, busy,
+                              describe=algos.describe_frame)
+        self._monitor = Monitor(rank, self._mesh.control, self._mesh.bell, self._state,
+                                self.progress, self._unconsumed)
 
     @property
     def local_ranks(self) -> int:
@@ -92,27 +121,58 @@ class RingBackend(Backend):
 
     @property
     def links(self) -> dict[int, str]:
-        """Which transport carries data to each peer: ``{peer: "shm" | "tcp"}``."""
+        """Which transport carries data to each peer: ``{peer: "shm" | "unix" | "tcp"}``."""
         return {j: link.kind for j, link in enumerate(self._mesh.links) if link is not None}
 
     # -- running a call --------------------------------------------------------------------
-    def _call(self, opname: str, timeout: float, fn: Callable, *args) -> None:
+    def _call(self, opname: str, timeout: float, hdr: bytes, fn: Callable, *args) -> None:
         self._check_usable(opname)
         step = algos.Step(self._engine, self.rank, self.size, time.monotonic() + timeout, opname,
-                          self._order, self._pos)
-        with self._lock:
-            try:
-                fn(step, *args)
-            except BaseException as exc:
-                self._poison(exc)
-                self._release()
-                raise
+                          self._order, self._pos, hdr)
+        self._drive_locked(step.deadline, opname, lambda: fn(step, *args))
 
-    def _reducing(self, opname: str, timeout: float, fn: Callable, *args) -> None:
+    def _drive_locked(self, deadline: float, opname: str, body: Callable[[], None]) -> None:
+        """Run ``body`` (which drives the engine) holding the driver lock."""
+        if not self._lock.acquire(blocking=False):
+            self._take_lock(deadline, opname)
+        try:
+            body()
+        except BaseException as exc:
+            err = self._fail_call(exc)
+            if err is exc:
+                raise
+            raise err from None
+        finally:
+            self._lock.release()
+
+    def _take_lock(self, deadline: float, opname: str) -> None:
+        """Wait for the thread driving the engine (the worker moving non-blocking messages
+        yields at once; a call in another thread finishes first)."""
+        self._waiting += 1
+        try:
+            try:
+                os.eventfd_write(self._mesh.bell, 1)
+            except OSError:
+                pass
+            if not self._lock.acquire(timeout=max(deadline - time.monotonic(), 0)):
+                raise CollectiveTimeout(f"{opname} on rank {self.rank} timed out waiting for "
+                                        f"another call of this backend to finish")
+        finally:
+            self._waiting -= 1
+
+    def _reducing(self, opname: str, timeout: float, hdr: bytes, fn: Callable, *args) -> None:
         # overflow to inf (or NaN from inf - inf) is the IEEE answer, as on the GPU; NumPy's
         # warning would point into this package's internals
         with np.errstate(over="ignore", invalid="ignore"):
-            self._call(opname, timeout, fn, *args)
+            self._call(opname, timeout, hdr, fn, *args)
+
+    def _frame(self, kind: str, arr: np.ndarray, root: int = -1,
+               op: ReduceOp | None = None) -> bytes:
+        """The header of this call's messages: the communicator's sequence number and call kind
+        (from ``progress``), and this backend call's own arguments."""
+        p = self.progress
+        code = p.kind if p.state == IN_CALL and p.kind else KIND[kind]
+        return algos.frame(code, max(p.seq, 0), arr.dtype, arr.size, root, op)
 
     def _check_usable(self, opname: str) -> None:
         if self._closed:
@@ -125,20 +185,31 @@ class RingBackend(Backend):
     def _unusable(self, opname: str) -> GpucollError:
         err = self._error
         msg = f"{opname} on rank {self.rank}: unusable after an earlier failure: {err}"
-        if isinstance(err, PeerFailure):
-            return PeerFailure(msg, peer=err.peer)
-        if isinstance(err, CollectiveTimeout):
-            return CollectiveTimeout(msg)
-        return GpucollError(msg)
+        cls = type(err) if isinstance(err, (PeerFailure, CollectiveTimeout,
+                                            CollectiveMismatch)) else GpucollError
+        new = PeerFailure(msg, peer=err.peer) if cls is PeerFailure else cls(msg)
+        new.peer = getattr(err, "peer", None)
+        return new
+
+    def _fail_call(self, exc: BaseException) -> BaseException:
+        """A call failed: poison the backend (a timeout first learns where every rank is, so
+        that it can name the rank that is behind) and release the connections; the error the
+        call raises."""
+        if self._error is None and isinstance(exc, CollectiveTimeout) \
+                and self._state.failure is None:
+            exc = self._diagnosed(exc)
+        self._poison(exc)
+        self._release()
+        return exc
 
     def _poison(self, exc: BaseException) -> None:
         """Remember the first failure and tell every peer, so nobody waits for this rank."""
         if self._error is not None:
             return
         self._error = exc
-        culprit = exc.peer if isinstance(exc, PeerFailure) and exc.peer is not None else self.rank
-        reason = f"{type(exc).__name__}: {exc}"
-        self._monitor.broadcast(encode_abort(reason, culprit))
+        peer = getattr(exc, "peer", None)
+        culprit = peer if isinstance(peer, int) else self.rank
+        self._monitor.broadcast(encode_abort(exc, culprit))
 
     def _fail(self, exc: BaseException) -> None:
         """Poison, and release the connections now unless a call in flight still uses them
@@ -151,11 +222,46 @@ class RingBackend(Backend):
                 self._lock.release()
 
     def _release(self) -> None:
-        """Stop the monitor and close every link; the caller holds ``_lock``. Idempotent."""
+        """Fail pending non-blocking messages, stop the monitor and close every link; the caller
+        holds ``_lock``. Idempotent."""
+        if self._error is not None:
+            self._engine.fail_background(self._unusable("non-blocking send/recv"))
         if not self._released:
             self._released = True
             self._monitor.stop()
             self._mesh.close()
+
+    def _diagnosed(self, exc: CollectiveTimeout) -> CollectiveTimeout:
+        """``exc`` with a line saying where every rank is: peers answer over their control
+        connections; one that does not is read from its memory when it shares this host."""
+        peers = [j for j in range(self.size) if j != self.rank]
+        asked = self._monitor.ask(peers)
+        limit = time.monotonic() + _ASK_S
+        answers = self._monitor.answers
+        while any(j not in answers for j in asked) and time.monotonic() < limit:
+            self._engine.poller.poll(10)
+            self._engine._drain_bell()
+        positions = {self.rank: self.progress.position(self.rank)}
+        silent = []
+        for j in peers:
+            data, responsive = answers.get(j), True
+            if data is None:
+                data, responsive = self._mesh.progress_of(j), False
+            if data is None:
+                silent.append(j)
+            else:
+                positions[j] = Progress.decode(j, data, responsive)
+        err = CollectiveTimeout(f"{exc}. Where the ranks are: {diagnose(positions, silent)}")
+        lowest = min(p.order for p in positions.values())
+        behind = [r for r, p in positions.items() if p.order == lowest]
+        stuck = silent or ([] if len(behind) == len(positions) else behind)
+        err.peer = stuck[0] if stuck else exc.peer
+        return err
+
+    def _unconsumed(self, peer: int, consumed: int) -> int:
+        """Bytes this rank sent to ``peer`` beyond the ``consumed`` it reported at its close."""
+        link = self._mesh.links[peer]
+        return 0 if link is None else link.sent() - consumed
 
     @staticmethod
     def _finish(op: ReduceOp, size: int) -> Callable | None:
@@ -165,53 +271,113 @@ class RingBackend(Backend):
 
     # -- collectives -----------------------------------------------------------------------
     def all_reduce(self, x: ArrayRef, op: ReduceOp, *, timeout: float, stream: Any = None) -> None:
-        self._reducing("all_reduce", timeout, algos.all_reduce, x.host, host_ufunc(op),
-                   self._finish(op, self.size))
+        self._reducing("all_reduce", timeout, self._frame("all_reduce", x.host, op=op),
+                       algos.all_reduce, x.host, host_ufunc(op), self._finish(op, self.size))
 
     def broadcast(self, x: ArrayRef, root: int, *, timeout: float, stream: Any = None) -> None:
-        self._call("broadcast", timeout, algos.broadcast, x.host, root)
+        self._call("broadcast", timeout, self._frame("broadcast", x.host, root),
+                   algos.broadcast, x.host, root)
 
     def reduce(self, x: ArrayRef, root: int, op: ReduceOp, *, timeout: float,
                stream: Any = None) -> None:
-        self._reducing("reduce", timeout, algos.reduce, x.host, root, host_ufunc(op),
-                   self._finish(op, self.size))
+        self._reducing("reduce", timeout, self._frame("reduce", x.host, root, op), algos.reduce,
+                       x.host, root, host_ufunc(op), self._finish(op, self.size))
 
     def all_gather(self, x: ArrayRef, out: ArrayRef, *, timeout: float,
                    stream: Any = None) -> None:
-        self._call("all_gather", timeout, algos.all_gather, x.host, out.host)
+        self._call("all_gather", timeout, self._frame("all_gather", x.host), algos.all_gather,
+                   x.host, out.host)
 
     def gather(self, x: ArrayRef, out: ArrayRef | None, root: int, *, timeout: float,
                stream: Any = None) -> None:
-        self._call("gather", timeout, algos.gather, x.host, _host(out), root)
+        self._call("gather", timeout, self._frame("gather", x.host, root), algos.gather, x.host,
+                   _host(out), root)
 
     def scatter(self, x: ArrayRef | None, out: ArrayRef, root: int, *, timeout: float,
                 stream: Any = None) -> None:
-        self._call("scatter", timeout, algos.scatter, _host(x), out.host, root)
+        self._call("scatter", timeout, self._frame("scatter", out.host, root), algos.scatter,
+                   _host(x), out.host, root)
 
     def reduce_scatter(self, x: ArrayRef, out: ArrayRef, op: ReduceOp, *, timeout: float,
                        stream: Any = None) -> None:
-        self._reducing("reduce_scatter", timeout, algos.reduce_scatter, x.host, out.host,
-                   host_ufunc(op), self._finish(op, self.size))
+        self._reducing("reduce_scatter", timeout, self._frame("reduce_scatter", x.host, op=op),
+                       algos.reduce_scatter, x.host, out.host, host_ufunc(op),
+                       self._finish(op, self.size))
 
     def all_to_all(self, x: ArrayRef, out: ArrayRef, *, timeout: float,
                    stream: Any = None) -> None:
-        self._call("all_to_all", timeout, algos.all_to_all, x.host, out.host)
+        self._call("all_to_all", timeout, self._frame("all_to_all", x.host), algos.all_to_all,
+                   x.host, out.host)
+
+    def barrier(self, *, timeout: float) -> None:
+        self._call("barrier", timeout, self._frame("barrier", _TOKEN), algos.barrier)
+
+    # -- point to point --------------------------------------------------------------------
+    def _message(self, x: ArrayRef, peer: int, sending: bool):
+        """The op carrying this send or receive, with the next message number of its
+        direction (both ends count the messages between them in the same order)."""
+        key = (peer, sending)
+        n = self._p2p_counts.get(key, 0)
+        self._p2p_counts[key] = n + 1
+        hdr = algos.frame(KIND["send"], n, x.dtype, x.count)
+        link = self._mesh.links[peer]
+        return Send(link, x.host, hdr) if sending else Recv(link, x.host, hdr)
 
     def send(self, x: ArrayRef, dst: int, *, timeout: float, stream: Any = None) -> None:
-        self._check_peer(dst, "dst")
-        self._call(f"send to rank {dst}", timeout, _p2p, dst, x.host, True)
+        self._p2p(x, dst, True, timeout)
 
     def recv(self, x: ArrayRef, src: int, *, timeout: float, stream: Any = None) -> None:
-        self._check_peer(src, "src")
-        self._call(f"recv from rank {src}", timeout, _p2p, src, x.host, False)
+        self._p2p(x, src, False, timeout)
+
+    def _p2p(self, x: ArrayRef, peer: int, sending: bool, timeout: float) -> None:
+        opname = f"{'send to' if sending else 'recv from'} rank {peer}"
+        self._check_peer(peer, "dst" if sending else "src")
+        self._check_usable(opname)
+        op = self._message(x, peer, sending)
+        deadline = time.monotonic() + timeout
+        progress = self.progress
+        progress.p2p(KIND["send" if sending else "recv"], peer)
+        try:
+            self._drive_locked(deadline, opname,
+                               lambda: self._engine.run((op,), deadline, opname))
+        finally:
+            progress.p2p(0, -1)
+
+    def isend(self, x: ArrayRef, dst: int, *, timeout: float, stream: Any = None) -> FutureWork:
+        return self._post(x, dst, True, timeout)
+
+    def irecv(self, x: ArrayRef, src: int, *, timeout: float, stream: Any = None) -> FutureWork:
+        return self._post(x, src, False, timeout)
+
+    def _post(self, x: ArrayRef, peer: int, sending: bool, timeout: float) -> FutureWork:
+        """Post a non-blocking send or receive: in issue order behind earlier messages on its
+        link, alongside everything else. Its handle completes when the message has moved."""
+        opname = f"{'isend to' if sending else 'irecv from'} rank {peer}"
+        self._check_peer(peer, "dst" if sending else "src")
+        work = FutureWork()
+        self._check_usable(opname)
+        op = self._message(x, peer, sending)
+        deadline = time.monotonic() + timeout
+
+        def done(error: BaseException | None) -> None:
+            if error is None:
+                work.run(_nothing)
+            else:
+                work.fail(error)
+
+        submit = lambda: self._engine.submit(op, deadline, opname, done)  # noqa: E731
+        with self._idle:
+            if self._inflight:  # behind asynchronous calls not yet started: post in turn
+                self._enqueue(lambda: submit())
+                return work
+        submit()
+        self._wake_worker()
+        return work
 
     def _check_peer(self, peer: int, name: str) -> None:
         if not 0 <= peer < self.size or peer == self.rank:
             raise ValueError(f"{name}={peer} on rank {self.rank}: expected another rank of this "
                              f"group, 0..{self.size - 1}")
-
-    def barrier(self, *, timeout: float) -> None:
-        self._call("barrier", timeout, algos.barrier)
 
     # -- ordering --------------------------------------------------------------------------
     def run_async(self, call: Callable[[], None], *, stream: Any = None) -> FutureWork:
@@ -221,20 +387,41 @@ class RingBackend(Backend):
                 work.fail(self._unusable("async call") if self._error is not None else
                           GpucollError(f"rank {self.rank}: the ring backend is closed"))
                 return work
-            self._inflight += 1
-            if self._worker is None:
-                self._worker = threading.Thread(target=self._work_loop, daemon=True,
-                                                name=f"gpucoll-ring-{self.rank}")
-                self._worker.start()
-            self._queue.put((work, call))
+            self._enqueue(call, work)
         return work
 
+    def _enqueue(self, call: Callable[[], None], work: FutureWork | None = None) -> None:
+        """Queue ``call`` for the worker (the caller holds ``_idle``)."""
+        self._inflight += 1
+        self._start_worker()
+        self._queue.put((work or FutureWork(), call))
+
+    def _start_worker(self) -> None:
+        if self._worker is None:
+            self._worker = threading.Thread(target=self._work_loop, daemon=True,
+                                            name=f"gpucoll-ring-{self.rank}")
+            self._worker.start()
+
+    def _wake_worker(self) -> None:
+        """Make sure the worker moves posted messages when no call drives the engine."""
+        with self._idle:
+            if self._closed:
+                return
+            self._start_worker()
+        self._queue.put(_DRIVE)
+
     def _work_loop(self) -> None:
-        """Run queued calls in order; after a failure, fail what is queued and stop."""
+        """Run queued calls in order; between them move non-blocking messages; after a
+        failure, fail what is queued and stop."""
         while True:
+            if self._engine.has_background and self._queue.empty() and self._error is None:
+                self._drive_background()
+                continue
             item = self._queue.get()
             if item is None:
                 return
+            if item is _DRIVE:
+                continue
             work, call = item
             work.run(call)
             with self._idle:
@@ -245,13 +432,26 @@ class RingBackend(Backend):
                     return
                 self._idle.notify_all()
 
+    def _drive_background(self) -> None:
+        """Move non-blocking messages until they are done or someone else needs the engine."""
+        if not self._lock.acquire(timeout=0.05):
+            return  # a call drives the engine (and the background messages with it)
+        try:
+            if self._error is not None:
+                return
+            self._engine.drive(lambda: self._waiting or not self._queue.empty())
+        except BaseException as exc:  # noqa: BLE001 - reported through the messages' handles
+            self._fail_call(exc)
+        finally:
+            self._lock.release()
+
     def _fail_queued(self) -> None:
         while True:
             try:
                 item = self._queue.get_nowait()
             except queue.Empty:
                 return
-            if item is not None:
+            if item is not None and item is not _DRIVE:
                 item[0].fail(self._unusable("async call"))
                 self._inflight -= 1
 
@@ -279,6 +479,9 @@ class RingBackend(Backend):
         self._fail(err)
 
     def close(self) -> None:
+        """Finish, tell the peers, and release everything. Raises PeerFailure when a peer left
+        without receiving what this rank sent it, and CollectiveMismatch when a peer sent this
+        rank data that no call received (after releasing everything)."""
         if self._closed:
             return
         self._closed = True
@@ -292,17 +495,82 @@ class RingBackend(Backend):
             # another thread is inside a call: end it rather than wait for its deadline
             self.abort("closed while a call was in progress")
             self._lock.acquire()
+        problem = None
         try:
+            self._finish_background()
             if not self._released:
-                self._monitor.broadcast(CLOSE)
+                problem = self._say_goodbye()
             self._release()
         finally:
             self._lock.release()
+            self._drop_progress_map()
+        if problem is not None:
+            raise problem
+
+    def _drop_progress_map(self) -> None:
+        record = self.__dict__.get("_progress_record")
+        if record is not None:
+            record.detach()
+        if hasattr(self, "_progress_map"):
+            self._progress_map.close()
+        os.close(self._progress_fd)
+
+    def _finish_background(self) -> None:
+        """Give pending non-blocking messages the close grace to complete, then fail them."""
+        if not self._engine.has_background or self._error is not None or self._released:
+            return
+        limit = time.monotonic() + _CLOSE_GRACE_S
+        try:
+            self._engine.drive(lambda: time.monotonic() > limit)
+        except BaseException as exc:  # noqa: BLE001 - reported through the messages' handles
+            self._fail_call(exc)
+            return
+        if self._engine.has_background:
+            self._poison(GpucollError(f"rank {self.rank} closed its communicator with "
+                                      f"non-blocking sends or receives still pending"))
+            self._release()
+
+    def _say_goodbye(self) -> GpucollError | None:
+        """Tell each peer how much of its data this rank consumed, give what this rank sent a
+        moment to be consumed, and say what was lost (None if nothing)."""
+        links, state = self._mesh.links, self._state
+        healthy = self._error is None and state.failure is None
+        for j, link in enumerate(links):
+            if link is not None:
+                self._monitor.send(j, encode_close(link.received()))
+        if not healthy:
+            return None
+        gone = lambda j: j in state.closed_peers or j in state.ended  # noqa: E731
+        deadline = time.monotonic() + _CLOSE_GRACE_S
+        while time.monotonic() < deadline and not all(
+                link is None or link.delivered() or gone(j) for j, link in enumerate(links)):
+            time.sleep(0.001)
+        for j, link in enumerate(links):
+            if link is None:
+                continue
+            consumed = state.closed_peers.get(j)
+            if consumed is not None:
+                lost = link.sent() - consumed
+            else:
+                lost = link.undelivered() if j in state.ended else 0
+            if lost > 0:
+                return PeerFailure(f"close on rank {self.rank}: rank {j} left without "
+                                   f"receiving {lost} bytes this rank sent it", peer=j)
+        for j, link in enumerate(links):
+            if link is not None and link.unread():
+                return CollectiveMismatch(
+                    f"close on rank {self.rank}: rank {j} sent this rank {link.unread()} or more "
+                    f"bytes that no call received (a send without its recv, or ranks that "
+                    f"disagree on a collective)")
+        return None
+
+
+_TOKEN = np.zeros(1, np.uint8)
+
+
+def _nothing() -> None:
+    pass
 
 
 def _host(ref) -> np.ndarray | None:
     return None if ref is None else ref.host
-
-
-def _p2p(s: algos.Step, peer: int, arr: np.ndarray, sending: bool) -> None:
-    s.run(s.send(peer, arr) if sending else s.recv(peer, arr))

@@ -13,11 +13,15 @@ to a rank only to name a peer or a rank's slot, so every result keeps its meanin
 
 from __future__ import annotations
 
+import struct
 from collections.abc import Callable
 
 import numpy as np
 
-from gpucoll.transport.engine import Peek, Put, Recv, RecvReduce, Send
+from gpucoll.arrays import SUPPORTED_DTYPES
+from gpucoll.ops import ReduceOp
+from gpucoll.progress import kind_name
+from gpucoll.transport.engine import FRAME_BYTES, Peek, Put, Recv, RecvReduce, Send
 from gpucoll.transport.shm import WHOLE
 
 # below this many bytes per rank, one round of direct messages beats the ring's 2(n-1) steps
@@ -26,11 +30,52 @@ DIRECT_TOTAL = 1 << 20  # ... and at most this many bytes sent by one rank in th
 CHAIN_CHUNK = 4 << 20  # bytes per round of the reduce chain (its scratch size)
 
 
+# -- frame headers ---------------------------------------------------------------------------
+# Every message starts with one: magic, call kind, reduce op, dtype, flags (unused), root, spare,
+# sequence number, element count. The receiver compares it with the header of its own call.
+FRAME = struct.Struct("<4sBBBBiIQQ")
+MAGIC = b"GCf1"
+_DTYPE_CODES: dict[np.dtype, int] = {}
+_OP_CODES = {op: i + 1 for i, op in enumerate(ReduceOp)}
+_OPS = {code: op for op, code in _OP_CODES.items()}
+assert FRAME.size == FRAME_BYTES
+
+
+def dtype_code(dtype: np.dtype) -> int:
+    code = _DTYPE_CODES.get(dtype)
+    if code is None:
+        code = _DTYPE_CODES[dtype] = SUPPORTED_DTYPES.index(dtype.name) + 1
+    return code
+
+
+def frame(kind: int, seq: int, dtype: np.dtype, count: int, root: int = -1,
+          op: ReduceOp | None = None) -> bytes:
+    """The frame header of every message of one call (or one point-to-point message)."""
+    return FRAME.pack(MAGIC, kind, 0 if op is None else _OP_CODES[op], dtype_code(dtype), 0,
+                      root, 0, seq, count)
+
+
+def describe_frame(data: bytes) -> str:
+    """``all_reduce #17 (float32, 4 elements, op=sum)``: a frame header in words."""
+    magic, kind, op, dtype, _, root, _, seq, count = FRAME.unpack(data)
+    if magic != MAGIC:
+        return f"unknown bytes {data[:16].hex()} (not a gpucoll frame: the streams are out of step)"
+    name = SUPPORTED_DTYPES[dtype - 1] if 0 < dtype <= len(SUPPORTED_DTYPES) else f"dtype {dtype}"
+    what = kind_name(kind)
+    parts = [name, f"{count} elements"]
+    if op:
+        parts.append(f"op={_OPS[op].value}" if op in _OPS else f"op {op}")
+    if root >= 0:
+        parts.append(f"root={root}")
+    number = f"message #{seq}" if what in ("send", "recv") else f"#{seq}"
+    return f"{what} {number} ({', '.join(parts)})"
+
+
 class Step:
-    """What an algorithm needs of the backend for one call."""
+    """What an algorithm needs of the backend for one call; ``hdr`` heads its messages."""
 
     def __init__(self, engine, rank: int, size: int, deadline: float, opname: str,
-                 order=None, pos: int | None = None):
+                 order=None, pos: int | None = None, hdr: bytes = b""):
         self.engine = engine
         self.rank = rank
         self.size = size
@@ -38,19 +83,20 @@ class Step:
         self.opname = opname
         self.order = range(size) if order is None else order  # ring position -> rank
         self.pos = rank if pos is None else pos  # this rank's position: order[pos] == rank
+        self.hdr = hdr
 
     def at(self, pos: int) -> int:
         """The rank at ring position ``pos`` (taken modulo the group size)."""
         return self.order[pos % self.size]
 
     def send(self, peer: int, arr: np.ndarray, gate=None) -> Send:
-        return Send(self.engine.links[peer], arr, gate)
+        return Send(self.engine.links[peer], arr, self.hdr, gate)
 
     def recv(self, peer: int, arr: np.ndarray) -> Recv:
-        return Recv(self.engine.links[peer], arr)
+        return Recv(self.engine.links[peer], arr, self.hdr)
 
     def reduce_from(self, peer: int, acc: np.ndarray, ufunc, src=None) -> RecvReduce:
-        return RecvReduce(self.engine.links[peer], acc, ufunc, src)
+        return RecvReduce(self.engine.links[peer], acc, ufunc, self.hdr, src)
 
     def run(self, *ops) -> None:
         self.engine.run(ops, self.deadline, self.opname)
@@ -58,20 +104,21 @@ class Step:
     def in_place(self, peers, nbytes: int) -> bool:
         """True when messages of ``nbytes`` to and from ``peers`` can be read in the rings."""
         links = self.engine.links
-        return nbytes <= WHOLE and all(
-            links[j].kind == "shm" and nbytes <= links[j].whole for j in peers)
+        size = nbytes + FRAME_BYTES
+        return size <= WHOLE and all(
+            links[j].kind == "shm" and size <= links[j].whole for j in peers)
 
     def exchange_in_place(self, x: np.ndarray, send_to, recv_from) -> dict[int, np.ndarray]:
         """Send ``x`` to ``send_to``; return the messages of ``recv_from`` as views of the rings
         (typed like ``x``, writable) that stay valid until ``release``."""
         links = self.engine.links
-        peeks = {j: Peek(links[j], x.nbytes) for j in recv_from}
-        self.run(*(Put(links[j], x) for j in send_to), *peeks.values())
+        peeks = {j: Peek(links[j], x.nbytes, self.hdr) for j in recv_from}
+        self.run(*(Put(links[j], x, self.hdr) for j in send_to), *peeks.values())
         return {j: p.view.view(x.dtype) for j, p in peeks.items()}
 
     def release(self, peers, nbytes: int) -> None:
         for j in peers:
-            self.engine.links[j].release(nbytes)
+            self.engine.links[j].release(nbytes + FRAME_BYTES)
 
 
 def bounds(count: int, parts: int) -> list[tuple[int, int]]:

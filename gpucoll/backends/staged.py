@@ -43,12 +43,28 @@ class _Pinned:
 class StagedBackend(Backend):
     """A host backend that also accepts device arrays (see the module docstring)."""
 
+    host_control = True  # host arrays pass straight through to the ring
+
     def __init__(self, inner: Backend, *, chunk_bytes: int | None = None):
         self.inner = inner
         self.chunk_bytes = CHUNK_BYTES if chunk_bytes is None else chunk_bytes
         self.name, self.rank, self.size = inner.name, inner.rank, inner.size
         self._pair: list[_Pinned] | None = None
         self._local = threading.local()  # the issuing thread's current stream, for async calls
+
+    @property
+    def progress(self):
+        return self.inner.progress
+
+    def isend(self, x: ArrayRef, dst: int, *, timeout: float, stream: Any = None):
+        if x.kind != "device":
+            return self.inner.isend(x, dst, timeout=timeout)
+        return super().isend(x, dst, timeout=timeout, stream=stream)
+
+    def irecv(self, x: ArrayRef, src: int, *, timeout: float, stream: Any = None):
+        if x.kind != "device":
+            return self.inner.irecv(x, src, timeout=timeout)
+        return super().irecv(x, src, timeout=timeout, stream=stream)
 
     def __getattr__(self, attr: str) -> Any:  # ring-specific extras (links, transport, ...)
         if attr == "inner":

@@ -11,6 +11,7 @@ waiting ranks never starve busy ones.
 from __future__ import annotations
 
 import collections
+import math
 import os
 import select
 import time
@@ -18,7 +19,7 @@ from collections.abc import Sequence
 
 import numpy as np
 
-from gpucoll.errors import CollectiveTimeout, GpucollError, PeerFailure
+from gpucoll.errors import CollectiveMismatch, CollectiveTimeout, GpucollError, PeerFailure
 
 SPIN_S = 50e-6  # busy polling before yielding: peers on other cores answer within this
 YIELD_S = 25e-6  # then sched_yield, only when processes outnumber cores
@@ -37,16 +38,31 @@ def runnable_tasks() -> int:
         return 0
 
 
+FRAME_BYTES = 32  # every message starts with a frame header of this size (ring_algos.frame)
+
+
 class Op:
-    """Part of a collective step: move ``nbytes`` to or from ``link``."""
+    """One message on ``link``: a frame header, then the payload. ``nbytes`` and ``off`` count
+    both; ``hdr`` is the header sent, or the one a received message must carry.
 
-    __slots__ = ("link", "nbytes", "off", "sending")
+    Ops that are not part of the call driving the engine (non-blocking sends and receives)
+    carry their own ``deadline``, ``opname`` and the ``done`` callback that completes their
+    handle; ``batch`` counts the unfinished ops of the call that posted them.
+    """
 
-    def __init__(self, link, nbytes: int, sending: bool):
+    __slots__ = ("link", "nbytes", "off", "sending", "hdr", "deadline", "opname", "done",
+                 "batch")
+
+    def __init__(self, link, payload: int, sending: bool, hdr: bytes):
         self.link = link
-        self.nbytes = nbytes
+        self.nbytes = payload + FRAME_BYTES
         self.off = 0
         self.sending = sending
+        self.hdr = hdr
+        self.deadline = 0.0
+        self.opname = ""
+        self.done = None
+        self.batch = None
 
     def ready(self) -> bool:
         """Whether a shared-memory link could move bytes for this op now (before sleeping)."""
@@ -59,15 +75,19 @@ class Op:
         else:
             self.link.end_recv()
 
+    def blocked_on_gate(self) -> bool:
+        return False
+
 
 class Send(Op):
     """Send the bytes of ``arr``; with ``gate`` only those ``gate`` has received so far."""
 
-    __slots__ = ("mv", "item", "gate")
+    __slots__ = ("mv", "hmv", "item", "gate")
 
-    def __init__(self, link, arr: np.ndarray, gate: Op | None = None):
-        super().__init__(link, arr.nbytes, True)
+    def __init__(self, link, arr: np.ndarray, hdr: bytes, gate: Op | None = None):
+        super().__init__(link, arr.nbytes, True, hdr)
         self.mv = memoryview(arr.view(np.uint8))
+        self.hmv = memoryview(hdr)
         self.item = arr.itemsize
         self.gate = gate
 
@@ -77,46 +97,73 @@ class Send(Op):
             gate.off - gate.off % self.item <= self.off
 
     def step(self) -> int:
+        off = self.off
+        if off < FRAME_BYTES:
+            n = self.link.send_some(self.hmv, off, FRAME_BYTES, 1)
+            self.off += n
+            return n
         gate = self.gate
         if gate is None or gate.off >= gate.nbytes:
             end = self.nbytes
         else:  # whole elements only: a reduction holds back a partial element
             end = gate.off - gate.off % self.item
-        if self.off >= end:
+        if off >= end:
             return 0
-        n = self.link.send_some(self.mv, self.off, end, self.item)
+        n = self.link.send_some(self.mv, off - FRAME_BYTES, end - FRAME_BYTES, self.item)
         self.off += n
         return n
 
 
-class Recv(Op):
+class _Receive(Op):
+    """A received message: its frame header is read into ``got`` and checked first."""
+
+    __slots__ = ("got",)
+
+    def __init__(self, link, payload: int, hdr: bytes):
+        super().__init__(link, payload, False, hdr)
+        self.got = bytearray(FRAME_BYTES)
+
+    def header_step(self) -> int:
+        n = self.link.recv_copy(memoryview(self.got), self.off, FRAME_BYTES)
+        self.off += n
+        if self.off == FRAME_BYTES and self.got != self.hdr:
+            raise FrameMismatch(self.link.peer, bytes(self.got), self.hdr)
+        return n
+
+
+class Recv(_Receive):
     """Receive ``arr.nbytes`` bytes into ``arr``."""
 
     __slots__ = ("mv",)
 
-    def __init__(self, link, arr: np.ndarray):
-        super().__init__(link, arr.nbytes, False)
+    def __init__(self, link, arr: np.ndarray, hdr: bytes):
+        super().__init__(link, arr.nbytes, hdr)
         self.mv = memoryview(arr.view(np.uint8))
 
     def step(self) -> int:
-        n = self.link.recv_copy(self.mv, self.off, self.nbytes)
+        if self.off < FRAME_BYTES:
+            return self.header_step()
+        n = self.link.recv_copy(self.mv, self.off - FRAME_BYTES, self.nbytes - FRAME_BYTES)
         self.off += n
         return n
 
 
-class RecvReduce(Op):
+class RecvReduce(_Receive):
     """Receive ``acc.size`` elements and store ``ufunc(src, incoming)`` into ``acc``."""
 
     __slots__ = ("acc", "src", "ufunc")
 
-    def __init__(self, link, acc: np.ndarray, ufunc, src: np.ndarray | None = None):
-        super().__init__(link, acc.nbytes, False)
+    def __init__(self, link, acc: np.ndarray, ufunc, hdr: bytes, src: np.ndarray | None = None):
+        super().__init__(link, acc.nbytes, hdr)
         self.acc = acc
         self.src = acc if src is None else src
         self.ufunc = ufunc
 
     def step(self) -> int:
-        n = self.link.recv_reduce(self.acc, self.src, self.ufunc, self.off, self.nbytes)
+        if self.off < FRAME_BYTES:
+            return self.header_step()
+        n = self.link.recv_reduce(self.acc, self.src, self.ufunc, self.off - FRAME_BYTES,
+                                  self.nbytes - FRAME_BYTES)
         self.off += n
         return n
 
@@ -126,18 +173,15 @@ class Put(Op):
 
     __slots__ = ("mv",)
 
-    def __init__(self, link, arr: np.ndarray):
-        super().__init__(link, arr.nbytes, True)
+    def __init__(self, link, arr: np.ndarray, hdr: bytes):
+        super().__init__(link, arr.nbytes, True, hdr)
         self.mv = memoryview(arr.view(np.uint8))
-
-    def blocked_on_gate(self) -> bool:
-        return False
 
     def ready(self) -> bool:
         return self.link.can_put(self.nbytes)
 
     def step(self) -> int:
-        if self.link.put(self.mv):
+        if self.link.put(self.hdr, self.mv):
             self.off = self.nbytes
             return self.nbytes
         return 0
@@ -147,20 +191,22 @@ class Put(Op):
 
 
 class Peek(Op):
-    """Wait for a small message on a shared-memory link; ``view`` then shows it in the ring
-    (read it, then ``link.release(nbytes)``)."""
+    """Wait for a small message on a shared-memory link; ``view`` then shows its payload in the
+    ring (read it, then ``link.release(nbytes)``)."""
 
     __slots__ = ("view",)
 
-    def __init__(self, link, nbytes: int):
-        super().__init__(link, nbytes, False)
+    def __init__(self, link, payload: int, hdr: bytes):
+        super().__init__(link, payload, False, hdr)
         self.view = None
 
     def step(self) -> int:
         view = self.link.peek(self.nbytes)
         if view is None:
             return 0
-        self.view = view
+        if view[:FRAME_BYTES].data != self.hdr:
+            raise FrameMismatch(self.link.peer, view[:FRAME_BYTES].tobytes(), self.hdr)
+        self.view = view[FRAME_BYTES:]
         self.off = self.nbytes
         return self.nbytes
 
@@ -168,28 +214,51 @@ class Peek(Op):
         pass
 
 
+class FrameMismatch(Exception):
+    """A message's frame header differs from the one this rank expects (ranks disagree)."""
+
+    def __init__(self, peer: int, got: bytes, expected: bytes):
+        super().__init__(peer, got, expected)
+        self.peer, self.got, self.expected = peer, got, expected
+
+
 class State:
-    """What the failure monitor tells the engine: the first failure, and who closed cleanly."""
+    """What the failure monitor tells the engine: the first failure, who closed cleanly (and
+    how many bytes of ours they had consumed by then), and whose control connection ended."""
 
     def __init__(self):
         self.failure: GpucollError | None = None
-        self.closed_peers: set[int] = set()
+        self.closed_peers: dict[int, int] = {}  # peer -> bytes it consumed from us, at close
         self.ended: set[int] = set()  # peers whose control connection is finished
 
 
 class Engine:
-    """Runs ops for one rank; ``links[peer]`` is a TcpLink or ShmLink (None for self)."""
+    """Moves the messages of one rank; ``links[peer]`` is a TcpLink or ShmLink (None for self).
 
-    def __init__(self, rank: int, links: list, bell: int, state: State, oversubscribed: bool):
+    Messages on one link in one direction go in the order they were posted: each starts when
+    the one before it is complete; all others progress together. ``run`` posts a call's
+    messages and drives every posted message (also non-blocking ones from ``submit``) until
+    that call's are done; ``drive`` moves non-blocking ones when no call is running.
+    ``describe(header)`` says in words what a frame header stands for (for mismatch errors).
+    """
+
+    def __init__(self, rank: int, links: list, bell: int, state: State, oversubscribed: bool,
+                 describe=bytes.hex):
         self.rank = rank
         self.links = links
         self.bell = bell
         self.state = state
+        self.describe = describe
         self.oversubscribed = oversubscribed  # this job alone has more ranks than cores
         self._load_checked = 0.0
         self._set_policy(oversubscribed)
         self.poller = select.poll()
         self.poller.register(bell, select.POLLIN)
+        self.active: list[Op] = []  # the message in progress on each busy link and direction
+        self._busy: set[tuple[int, bool]] = set()
+        self._queued: dict[tuple[int, bool], collections.deque] = {}
+        self.inbox: collections.deque = collections.deque()  # from submit(), any thread
+        self._background: list[Op] = []  # non-blocking messages not yet complete
 
     def _set_policy(self, crowded: bool) -> None:
         """Long spins when every rank has a core; when cores are short (our ranks or other
@@ -205,54 +274,128 @@ class Engine:
         self._load_checked = now
         self._set_policy(self.oversubscribed or runnable_tasks() > CORES)
 
-    def run(self, ops: Sequence[Op], deadline: float, opname: str) -> None:
-        """Complete every op by ``deadline`` (time.monotonic) or raise naming the peer.
+    # -- posting ---------------------------------------------------------------------------
+    def submit(self, op: Op, deadline: float, opname: str, done) -> None:
+        """Post a non-blocking message from any thread; ``done(error)`` is called (by whichever
+        thread drives the engine) once it completes (error None) or fails."""
+        op.deadline, op.opname, op.done = deadline, opname, done
+        self.inbox.append(op)
+        try:
+            os.eventfd_write(self.bell, 1)  # wake a driver asleep in poll
+        except OSError:
+            pass
 
-        Ops on one link in one direction are messages in that order: each starts when the one
-        before it is complete; all others progress together.
-        """
-        pending = [op for op in ops if op.nbytes]
-        queues = None
-        if len({(id(op.link), op.sending) for op in pending}) < len(pending):
-            queues, pending = {}, []
-            for op in ops:
-                if op.nbytes:
-                    queues.setdefault((id(op.link), op.sending), collections.deque()).append(op)
-            for queue in queues.values():
-                self._start_next(queue, pending)
+    def _post(self, op: Op) -> None:
+        peer = op.link.peer
+        if op.sending and (peer in self.state.closed_peers or peer in self.state.ended):
+            raise self._gone(op)  # (a receive still reads what the peer sent before it left)
+        key = (peer, op.sending)
+        if key in self._busy:
+            queue = self._queued.get(key)
+            if queue is None:
+                queue = self._queued[key] = collections.deque()
+            queue.append(op)
         else:
-            for op in pending:
-                op.link.begin(op.sending, op.nbytes)
+            self._busy.add(key)
+            op.link.begin(op.sending, op.nbytes)
+            self.active.append(op)
+
+    def _take_inbox(self) -> None:
+        inbox = self.inbox
+        while inbox:
+            op = inbox.popleft()
+            self._background.append(op)
+            self._post(op)
+
+    # -- driving ---------------------------------------------------------------------------
+    def run(self, ops: Sequence[Op], deadline: float, opname: str) -> None:
+        """Complete every op by ``deadline`` (time.monotonic) or raise naming the peer; moves
+        posted non-blocking messages meanwhile."""
+        batch = [len(ops)]
+        if self.inbox:
+            self._take_inbox()
+        for op in ops:
+            op.deadline, op.opname, op.batch = deadline, opname, batch
+            self._post(op)
+        self._drive(lambda: batch[0] > 0, deadline)
+
+    def drive(self, stop) -> None:
+        """Move non-blocking messages until none is left or ``stop()`` says to yield."""
+        self._take_inbox()
+        self._drive(lambda: self._background and not stop(), None)
+
+    @property
+    def has_background(self) -> bool:
+        return bool(self._background or self.inbox)
+
+    def _drive(self, going, deadline: float | None) -> None:
+        active = self.active
         idle_since = 0.0
-        while pending:
+        while going():
+            op = None
             try:
-                moved = [op for op in pending if op.step()]
+                moved = False
+                for op in active:
+                    if op.step():
+                        moved = True
             except PeerFailure as exc:
-                raise self._in_op(self._root_cause(exc, deadline), opname) from None
+                raise self._in_op(self._root_cause(exc, op.deadline), op.opname) from None
+            except FrameMismatch as exc:
+                raise self._mismatch(exc, op) from None
             if moved:
-                for op in [op for op in pending if op.off >= op.nbytes]:
-                    pending.remove(op)
-                    op.finish()
-                    if queues is not None:
-                        self._start_next(queues[id(op.link), op.sending], pending)
+                done = [op for op in active if op.off >= op.nbytes]
+                if done:
+                    self._complete(done)
                 idle_since = 0.0
                 continue
-            idle_since = self._idle(pending, idle_since, deadline, opname)
+            if self.inbox:
+                self._take_inbox()
+                continue
+            idle_since = self._idle(idle_since, deadline)
 
-    @staticmethod
-    def _start_next(queue: collections.deque, pending: list) -> None:
-        if queue:
-            op = queue.popleft()
-            op.link.begin(op.sending, op.nbytes)
-            pending.append(op)
+    def _complete(self, done: list[Op]) -> None:
+        for op in done:
+            self.active.remove(op)
+            op.finish()
+            peer = op.link.peer
+            if op.sending and peer in self.state.closed_peers:
+                self._check_delivered(op)
+            key = (peer, op.sending)
+            queue = self._queued.get(key)
+            if queue:
+                nxt = queue.popleft()
+                nxt.link.begin(nxt.sending, nxt.nbytes)
+                self.active.append(nxt)
+            else:
+                self._busy.discard(key)
+            if op.batch is not None:
+                op.batch[0] -= 1
+            if op.done is not None:
+                self._background.remove(op)
+                op.done(None)
 
-    def _idle(self, pending, idle_since: float, deadline: float, opname: str) -> float:
+    def fail_background(self, exc: BaseException) -> None:
+        """Fail every non-blocking message still posted (the backend is poisoned)."""
+        self._take_inbox_quietly()
+        ops, self._background = self._background, []
+        self.active, self._queued, self._busy = [], {}, set()
+        for op in ops:
+            op.done(exc)
+
+    def _take_inbox_quietly(self) -> None:
+        while self.inbox:
+            self._background.append(self.inbox.popleft())
+
+    # -- waiting ---------------------------------------------------------------------------
+    def _idle(self, idle_since: float, deadline: float | None) -> float:
         """Nothing moved: fail, time out, spin, yield or sleep; returns when idleness began."""
         if self.state.failure is not None:
-            raise self._in_op(self.state.failure, opname)
+            op = self.active[0] if self.active else None
+            raise self._in_op(self.state.failure, op.opname if op else "waiting")
         now = time.monotonic()
-        if now >= deadline:
-            raise self._timeout(pending, opname)
+        expired = self._expired(now, deadline)
+        if expired is not None:
+            raise self._timeout(expired)
         if not idle_since:
             self._watch_load(now)
             return now
@@ -262,14 +405,82 @@ class Engine:
         elif idle < self.yield_s:
             os.sched_yield()
         else:
-            self._sleep(pending, deadline, opname)
+            self._sleep(deadline)
         return idle_since
 
+    def _expired(self, now: float, deadline: float | None) -> Op | None:
+        """The message to blame when a deadline has passed: one this rank waits to receive
+        before one it cannot yet send; None while every deadline is ahead."""
+        late = [op for op in self.active if op.deadline <= now]
+        late += [op for q in self._queued.values() for op in q if op.deadline <= now]
+        if not late:
+            return None
+        return next((op for op in late if not op.sending), late[0])
+
+    def _sleep(self, deadline: float | None) -> None:
+        """Block until a doorbell, a socket or a short nap says something may have changed."""
+        pending = [op for op in self.active if not (op.sending and op.blocked_on_gate())]
+        shm = [op for op in pending if op.link.kind == "shm"]
+        for op in shm:
+            op.link.sleep_flags(op.sending, not op.sending, 1)
+        try:
+            if any(op.ready() for op in shm):
+                return
+            self._check_closed(pending)
+            masks: dict[int, int] = {}
+            for op in pending:
+                if op.link.kind != "shm":
+                    mask = select.POLLOUT if op.sending else select.POLLIN
+                    masks[op.link.fd] = masks.get(op.link.fd, 0) | mask
+            for fd, mask in masks.items():
+                self.poller.register(fd, mask)
+            try:
+                wait_ms = NAP_MS
+                if deadline is not None:
+                    wait_ms = min(NAP_MS, max((deadline - time.monotonic()) * 1000, 0))
+                events = self.poller.poll(wait_ms)
+            finally:
+                for fd in masks:
+                    self.poller.unregister(fd)
+            if any(fd == self.bell for fd, _ in events):
+                self._drain_bell()
+        finally:
+            for op in shm:
+                op.link.sleep_flags(op.sending, not op.sending, 0)
+
+    def _check_closed(self, pending) -> None:
+        """A peer that closed cleanly will never read or write its side of a link again."""
+        closed = self.state.closed_peers
+        for op in pending:  # a TCP receive reads on to the end of stream instead
+            if op.link.peer in closed and (op.sending or (op.link.kind == "shm" and
+                                                          not op.ready())):
+                raise self._gone(op)
+
+    def _gone(self, op: Op) -> PeerFailure:
+        peer = op.link.peer
+        why = "closed its communicator" if peer in self.state.closed_peers else \
+            "is gone (its connection ended)"
+        if op.sending:
+            what = f"this rank's message to it ({op.nbytes - FRAME_BYTES} bytes) cannot be " \
+                   f"delivered"
+        else:
+            what = "this rank still expected data from it"
+        return PeerFailure(f"{op.opname} on rank {self.rank}: rank {peer} {why}, and {what}",
+                           peer=peer)
+
+    def _check_delivered(self, op: Op) -> None:
+        """A message completed on a link whose peer has already closed: unless the peer had
+        consumed it before closing, it is lost."""
+        consumed = self.state.closed_peers[op.link.peer]
+        if op.link.sent() > consumed:
+            raise self._gone(op)
+
+    # -- errors ----------------------------------------------------------------------------
     def _root_cause(self, exc: PeerFailure, deadline: float) -> GpucollError:
         """A data link broke: let the monitor say why (the peer may have closed because a third
         rank died), within ROOT_CAUSE_S; else report the broken link."""
         state = self.state
-        limit = min(deadline, time.monotonic() + ROOT_CAUSE_S)
+        limit = min(deadline or math.inf, time.monotonic() + ROOT_CAUSE_S)
         while state.failure is None and exc.peer not in state.ended:
             remaining = limit - time.monotonic()
             if remaining <= 0:
@@ -281,7 +492,7 @@ class Engine:
     def _drain_bell(self) -> None:
         try:
             os.eventfd_read(self.bell)
-        except BlockingIOError:
+        except (BlockingIOError, OSError):
             pass
 
     def _in_op(self, failure: GpucollError, opname: str) -> GpucollError:
@@ -289,51 +500,19 @@ class Engine:
         message = f"{opname} on rank {self.rank}: {failure}"
         if isinstance(failure, PeerFailure):
             return PeerFailure(message, peer=failure.peer)
-        return type(failure)(message)
+        error = type(failure)(message)
+        error.peer = failure.peer
+        return error
 
-    def _timeout(self, pending, opname: str) -> CollectiveTimeout:
-        # blame a peer we wait to hear from before one we cannot yet send to
-        op = next((op for op in pending if not op.sending), pending[0])
+    def _mismatch(self, exc: FrameMismatch, op: Op) -> CollectiveMismatch:
+        return CollectiveMismatch(
+            f"{op.opname} on rank {self.rank}: ranks disagree: rank {exc.peer} sent a message of "
+            f"{self.describe(exc.got)} where this rank expects one of "
+            f"{self.describe(exc.expected)}")
+
+    def _timeout(self, op: Op) -> CollectiveTimeout:
         verb = "send to" if op.sending else "receive from"
         return CollectiveTimeout(
-            f"{opname} on rank {self.rank} timed out: waiting to {verb} rank {op.link.peer} "
-            f"({op.off} of {op.nbytes} bytes done)"
+            f"{op.opname} on rank {self.rank} timed out: waiting to {verb} rank {op.link.peer} "
+            f"({max(op.off - FRAME_BYTES, 0)} of {op.nbytes - FRAME_BYTES} bytes done)"
         )
-
-    def _sleep(self, pending, deadline: float, opname: str) -> None:
-        """Block until a doorbell, a socket or a short nap says something may have changed."""
-        pending = [op for op in pending if not (op.sending and op.blocked_on_gate())]
-        shm = [op for op in pending if op.link.kind == "shm"]
-        for op in shm:
-            op.link.sleep_flags(op.sending, not op.sending, 1)
-        try:
-            if any(op.ready() for op in shm):
-                return
-            self._check_closed(shm, opname)
-            masks: dict[int, int] = {}
-            for op in pending:
-                if op.link.kind == "tcp":
-                    mask = select.POLLOUT if op.sending else select.POLLIN
-                    masks[op.link.fd] = masks.get(op.link.fd, 0) | mask
-            for fd, mask in masks.items():
-                self.poller.register(fd, mask)
-            try:
-                wait_ms = min(NAP_MS, max((deadline - time.monotonic()) * 1000, 0))
-                events = self.poller.poll(wait_ms)
-            finally:
-                for fd in masks:
-                    self.poller.unregister(fd)
-            if any(fd == self.bell for fd, _ in events):
-                self._drain_bell()
-        finally:
-            for op in shm:
-                op.link.sleep_flags(op.sending, not op.sending, 0)
-
-    def _check_closed(self, shm_ops, opname: str) -> None:
-        """A peer that closed cleanly will never write to its ring again."""
-        closed = self.state.closed_peers
-        for op in shm_ops:
-            if op.link.peer in closed:
-                raise PeerFailure(
-                    f"{opname} on rank {self.rank}: rank {op.link.peer} closed its communicator "
-                    f"while this rank still expected data from it", peer=op.link.peer)

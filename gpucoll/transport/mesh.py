@@ -1,9 +1,12 @@
 """Connect every rank of a group to every other, meeting through the store.
 
 Each rank publishes where it listens (a TCP port and an abstract Unix socket name, which leaves no
-file behind) and which host it runs on (hostname + boot id). Every pair then gets a control
-connection, watched for liveness by ``gpucoll.transport.monitor``, and a data link: shared-memory
-rings when both ranks share a host (unless TCP is forced), a TCP connection otherwise. The
+file behind), which host it runs on (hostname + boot id), and its process id with the descriptor
+of its progress record, so that a peer on the same host can read that record even while the rank
+is stopped (``progress_of``). Every pair then gets a control connection, watched for liveness by
+``gpucoll.transport.monitor``, and a data link: shared-memory rings when both ranks share a host
+with a CPU whose stores are seen in order (``shm.ordered_cpu``), a Unix-domain socket when they
+share a host with a weakly ordered CPU, a TCP connection otherwise or when TCP is forced. The
 higher rank of a pair connects; the lower accepts, so set-up never waits in a cycle.
 """
 
@@ -107,13 +110,17 @@ def _listen_unix(name: str, backlog: int) -> socket.socket:
 class Mesh:
     """Every connection of one rank: ``control[peer]``, ``links[peer]``, own doorbell."""
 
-    def __init__(self, store, rank: int, size: int, *, timeout: float, transport: str = "auto"):
+    def __init__(self, store, rank: int, size: int, *, timeout: float, transport: str = "auto",
+                 progress_fd: int = -1, liveness=None):
         self.rank, self.size = rank, size
         self.transport = resolve_transport(transport)
         self.control: dict[int, socket.socket] = {}
         self.links: list = [None] * size
         self.bell = os.eventfd(0, os.EFD_NONBLOCK | os.EFD_CLOEXEC)
         self.local_ranks = 1
+        self.peers: list[dict] = []  # every rank's published facts (host, pid, progress fd)
+        self._progress_fd = progress_fd
+        self._liveness = liveness
         self._listeners: list[socket.socket] = []
         self._unwrapped: dict[int, socket.socket] = {}
         _LIVE.add(self)
@@ -138,9 +145,10 @@ class Mesh:
         unix_name = f"{prefix[:40]}-{nonce.hex()}-{rank}"  # abstract names hold 107 bytes
         self._listeners.append(_listen_unix(unix_name, 2 * size + 16))
         me = {"host": advertised_host(store), "port": tcp_listener.getsockname()[1],
-              "unix": unix_name, "id": host_identity(), "nonce": nonce.hex()}
+              "unix": unix_name, "id": host_identity(), "nonce": nonce.hex(),
+              "pid": os.getpid(), "progress": self._progress_fd}
         store.set(f"ring/addr/{rank}", json.dumps(me))
-        peers = self._gather_addresses(store, deadline)
+        peers = self.peers = self._gather_addresses(store, deadline)
         kinds = [self._pair_kind(me, peers[j], j) for j in range(size)]
         self.local_ranks = sum(1 for p in peers if p["id"] == me["id"])
         data = self._unwrapped  # data sockets until they become links (closed on failure)
@@ -148,7 +156,7 @@ class Mesh:
             self._connect(j, peers[j], kinds[j], data, deadline)
         self._accept(kinds, nonce, data, deadline)
         for j in list(data):
-            self.links[j] = tcp.TcpLink(j, data.pop(j))
+            self.links[j] = tcp.TcpLink(j, data.pop(j), kind=kinds[j])
         shm_peers = [j for j in range(size) if kinds[j] == "shm"]
         if shm_peers:
             self._share_rings(shm_peers, prefix, deadline)
@@ -156,7 +164,8 @@ class Mesh:
     def _gather_addresses(self, store, deadline: float) -> list[dict]:
         keys = [f"ring/addr/{j}" for j in range(self.size)]
         values = gather(store, keys, max(deadline - time.monotonic(), 0.001), what="ring set-up",
-                        rank=self.rank, absent="did not publish their addresses")
+                        rank=self.rank, absent="did not publish their addresses",
+                        **({"liveness": self._liveness} if self._liveness is not None else {}))
         return [json.loads(v) for v in values]
 
     def _pair_kind(self, me: dict, peer: dict, j: int) -> str | None:
@@ -167,41 +176,56 @@ class Mesh:
             raise BackendUnavailable(
                 f"transport='shm' needs every rank on one host, but rank {j} runs on "
                 f"{peer['id'].split('/')[0]} and rank {self.rank} on {me['id'].split('/')[0]}")
-        return "shm" if same and self.transport != "tcp" else "tcp"
+        if not same or self.transport == "tcp":
+            return "tcp"
+        if shm.ordered_cpu():
+            return "shm"
+        if self.transport == "shm":
+            raise BackendUnavailable(
+                "transport='shm' is not safe on this CPU: its memory model does not keep stores "
+                "in order, which the shared-memory rings rely on (gpucoll.transport.shm); leave "
+                "GPUCOLL_TRANSPORT unset to join ranks on one host with Unix-domain sockets")
+        return "unix"
+
+    def same_host(self, j: int) -> bool:
+        """True when rank ``j`` runs on this rank's host (its memory can be read from here)."""
+        return self.peers[j]["id"] == self.peers[self.rank]["id"]
 
     def _connect(self, j: int, peer: dict, kind: str, data: dict, deadline: float) -> None:
         what = f"rank {j}"
         hello = bytes.fromhex(peer["nonce"])
-        if kind == "shm":
-            sock = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
-            try:
-                sock.settimeout(max(deadline - time.monotonic(), 0.001))
-                sock.connect("\0" + peer["unix"])
-                sock.settimeout(None)
-            except OSError as exc:
-                sock.close()
-                raise PeerFailure(
-                    f"ring set-up on rank {self.rank}: cannot reach rank {j} over its Unix socket "
-                    f"({exc}): it has exited, or it shares this host's name and kernel but not its "
-                    f"network namespace (then set GPUCOLL_HOST_ID per container, or "
-                    f"GPUCOLL_TRANSPORT=tcp)", peer=j) from None
-            except BaseException:
-                sock.close()
-                raise
-            self.control[j] = sock
-            tcp.send_all(sock, tcp.HELLO.pack(hello, self.rank, CONTROL), deadline, what)
-            return
-        host = peer["host"]
-        for channel in (CONTROL, DATA):
-            sock = tcp.connect_tcp(host, peer["port"], deadline, what)
+        channels = (CONTROL,) if kind == "shm" else (CONTROL, DATA)
+        for channel in channels:
+            if kind == "tcp":
+                sock = tcp.connect_tcp(peer["host"], peer["port"], deadline, what)
+            else:
+                sock = self._connect_unix(j, peer, deadline)
             (self.control if channel == CONTROL else data)[j] = sock
             tcp.send_all(sock, tcp.HELLO.pack(hello, self.rank, channel), deadline, what)
+
+    def _connect_unix(self, j: int, peer: dict, deadline: float) -> socket.socket:
+        sock = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
+        try:
+            sock.settimeout(max(deadline - time.monotonic(), 0.001))
+            sock.connect("\0" + peer["unix"])
+            sock.settimeout(None)
+        except OSError as exc:
+            sock.close()
+            raise PeerFailure(
+                f"ring set-up on rank {self.rank}: cannot reach rank {j} over its Unix socket "
+                f"({exc}): it has exited, or it shares this host's name and kernel but not its "
+                f"network namespace (then set GPUCOLL_HOST_ID per container, or "
+                f"GPUCOLL_TRANSPORT=tcp)", peer=j) from None
+        except BaseException:
+            sock.close()
+            raise
+        return sock
 
     def _accept(self, kinds: list, nonce: bytes, data: dict, deadline: float) -> None:
         expected = set()
         for j in range(self.rank + 1, self.size):
             expected.add((j, CONTROL))
-            if kinds[j] == "tcp":
+            if kinds[j] != "shm":
                 expected.add((j, DATA))
         while expected:
             remaining = deadline - time.monotonic()
@@ -260,6 +284,23 @@ class Mesh:
             self.links[j] = shm.ShmLink(j, outbound, inbound.pop(j), peer_bell)
         for ring in inbound.values():
             ring.close()
+
+    def progress_of(self, j: int) -> bytes | None:
+        """Rank ``j``'s progress record read from its memory (same host only; works while it is
+        stopped), or None when it cannot be read."""
+        peer = self.peers[j] if self.peers else None
+        if peer is None or peer.get("progress", -1) < 0 or not self.same_host(j):
+            return None
+        try:
+            fd = os.open(f"/proc/{peer['pid']}/fd/{peer['progress']}", os.O_RDONLY)
+        except OSError:
+            return None
+        try:
+            return os.pread(fd, 64, 0)
+        except OSError:
+            return None
+        finally:
+            os.close(fd)
 
     # -- tear-down -------------------------------------------------------------------------
     def drop_inherited(self) -> None:

@@ -2,9 +2,18 @@
 
 A peer's process dying closes its sockets, so the connection reads EOF at once (a host that
 vanishes is caught by TCP keepalive within seconds). A peer that fails on its own sends an abort
-message first; a peer that closes cleanly says so, and its EOF is then expected. The first
-failure is recorded in the shared ``State`` and the rank's doorbell is rung, so a collective
-blocked in ``Engine.run`` wakes and raises ``PeerFailure`` naming the peer.
+message first, saying what kind of failure (so that every rank raises the same kind of error) and
+which rank is to blame; a peer that closes cleanly says so, with how many bytes of ours it had
+consumed (anything more that we sent is lost, and we say so). The first failure is recorded in
+the shared ``State`` and the rank's doorbell is rung, so a call blocked in ``Engine.run`` wakes
+and raises. The monitor also answers a peer's question "where are you?" with this rank's
+``Progress`` record, even while the rank's main thread is busy elsewhere.
+
+Messages (one byte of type, then a fixed layout):
+  C  u64 bytes consumed from the receiver of this message    clean close
+  A  u8 kind, i32 culprit, u16 length, reason (UTF-8)        abort
+  Q                                                          where are you?
+  P  the asker's Progress record                             answer to Q
 """
 
 from __future__ import annotations
@@ -15,28 +24,49 @@ import socket
 import struct
 import threading
 
-from gpucoll.errors import GpucollError, PeerFailure
+from gpucoll.errors import CollectiveMismatch, CollectiveTimeout, GpucollError, PeerFailure
+from gpucoll.progress import SLOTS, Progress
 from gpucoll.transport.engine import State
 
-CLOSE, ABORT = b"C", b"A"
-_ABORT_HEADER = struct.Struct("!Hi")  # reason length, rank the failure started at
+CLOSE, ABORT, QUERY, POSITION = b"C", b"A", b"Q", b"P"
+_CLOSE = struct.Struct("!Q")
+_ABORT = struct.Struct("!BiH")  # failure kind, rank to blame, reason length
+_POSITION_BYTES = 8 * SLOTS
+# abort kinds: the class a peer's failure is re-raised as on every rank (a timeout and a
+# mismatch keep their kind; anything else, an interrupt included, is a failed peer)
+_KINDS = (PeerFailure, CollectiveTimeout, CollectiveMismatch)
 
 
-def encode_abort(reason: str, culprit: int) -> bytes:
-    """An abort message; ``culprit`` is the rank to blame (a dead peer, or the sender)."""
-    data = reason.encode("utf-8", "replace")[:4000]
-    return ABORT + _ABORT_HEADER.pack(len(data), culprit) + data
+def encode_abort(error: BaseException, culprit: int) -> bytes:
+    """An abort message for ``error``; ``culprit`` is the rank to blame (a dead or stuck peer,
+    or the sender itself)."""
+    kind = next((i for i, cls in enumerate(_KINDS) if isinstance(error, cls)), 0)
+    data = f"{type(error).__name__}: {error}".encode("utf-8", "replace")[:4000]
+    return ABORT + _ABORT.pack(kind, culprit, len(data)) + data
+
+
+def encode_close(consumed: int) -> bytes:
+    return CLOSE + _CLOSE.pack(consumed)
 
 
 class Monitor:
-    """Watches ``control`` sockets from a daemon thread until ``stop()``."""
+    """Watches ``control`` sockets from a daemon thread until ``stop()``.
 
-    def __init__(self, rank: int, control: dict[int, socket.socket], bell: int, state: State):
+    ``unconsumed(peer, consumed)`` says how many bytes this rank sent to ``peer`` beyond the
+    ``consumed`` the peer reported at its close; ``progress`` is this rank's record.
+    """
+
+    def __init__(self, rank: int, control: dict[int, socket.socket], bell: int, state: State,
+                 progress: Progress | None = None, unconsumed=lambda peer, consumed: 0):
         self.rank = rank
         self.control = control
         self.bell = bell
         self.state = state
+        self.progress = progress or Progress()
+        self.unconsumed = unconsumed
+        self.answers: dict[int, bytes] = {}  # peer -> its Progress record, after ask()
         self._buffers = {peer: b"" for peer in control}
+        self._send_locks = {peer: threading.Lock() for peer in control}
         self._stop_r, self._stop_w = os.pipe()
         self._thread = threading.Thread(target=self._run, name=f"gpucoll-monitor-{rank}",
                                         daemon=True)
@@ -84,28 +114,64 @@ class Monitor:
             return False
         buf = self._buffers[peer] + chunk
         while buf:
-            if buf[:1] == CLOSE:
-                self.state.closed_peers.add(peer)
-                self._wake()
-                buf = buf[1:]
-            elif buf[:1] == ABORT:
-                head = 1 + _ABORT_HEADER.size
-                if len(buf) < head:
-                    break
-                n, culprit = _ABORT_HEADER.unpack(buf[1:head])
-                if len(buf) < head + n:
-                    break
-                reason = buf[head:head + n].decode("utf-8", "replace")
-                if culprit == peer:
-                    self._fail(peer, f"rank {peer} aborted: {reason}")
-                else:  # the peer gave up because of another rank: blame that one
-                    self._fail(culprit, f"rank {culprit} failed (reported by rank {peer})")
-                buf = buf[head + n:]
-            else:
-                self._fail(peer, f"rank {peer} sent an unexpected control message {buf[:8]!r}")
+            used = self._message(peer, buf)
+            if used is None:
                 return False
+            if used == 0:
+                break
+            buf = buf[used:]
         self._buffers[peer] = buf
         return True
+
+    def _message(self, peer: int, buf: bytes) -> int | None:
+        """Handle the message at the start of ``buf``: bytes used, 0 if incomplete, None if the
+        peer speaks nonsense (it is then failed)."""
+        kind = buf[:1]
+        if kind == CLOSE:
+            if len(buf) < 1 + _CLOSE.size:
+                return 0
+            self._closed(peer, _CLOSE.unpack_from(buf, 1)[0])
+            return 1 + _CLOSE.size
+        if kind == ABORT:
+            head = 1 + _ABORT.size
+            if len(buf) < head:
+                return 0
+            code, culprit, n = _ABORT.unpack_from(buf, 1)
+            if len(buf) < head + n:
+                return 0
+            self._aborted(peer, code, culprit, buf[head:head + n].decode("utf-8", "replace"))
+            return head + n
+        if kind == QUERY:
+            self.send(peer, POSITION + self.progress.encode())
+            return 1
+        if kind == POSITION:
+            if len(buf) < 1 + _POSITION_BYTES:
+                return 0
+            self.answers[peer] = buf[1:1 + _POSITION_BYTES]
+            self._wake()
+            return 1 + _POSITION_BYTES
+        self._fail(peer, f"rank {peer} sent an unexpected control message {buf[:8]!r}")
+        return None
+
+    def _closed(self, peer: int, consumed: int) -> None:
+        self.state.closed_peers[peer] = consumed
+        lost = self.unconsumed(peer, consumed)
+        if lost > 0:
+            self._fail(peer, f"rank {peer} closed its communicator without receiving {lost} "
+                             f"bytes this rank sent it")
+        self._wake()
+
+    def _aborted(self, peer: int, code: int, culprit: int, reason: str) -> None:
+        cls = _KINDS[code] if code < len(_KINDS) else PeerFailure
+        if culprit == peer:
+            message = f"rank {peer} failed: {reason}"
+        else:  # the peer gave up because of another rank: name both
+            message = f"rank {peer} reported a failure caused by rank {culprit}: {reason}"
+        if self.state.failure is None:
+            error = PeerFailure(message, culprit) if cls is PeerFailure else cls(message)
+            error.peer = culprit
+            self.state.failure = error
+        self._wake()
 
     def _fail(self, peer: int, message: str) -> None:
         if self.state.failure is None:
@@ -118,14 +184,30 @@ class Monitor:
         except OSError:
             pass
 
-    def broadcast(self, message: bytes) -> None:
-        """Best-effort send of a control message to every peer; never blocks for long."""
-        for sock in self.control.values():
+    # -- sending ---------------------------------------------------------------------------
+    def send(self, peer: int, message: bytes) -> bool:
+        """Best-effort send of a control message to ``peer``; never blocks for long."""
+        sock = self.control.get(peer)
+        if sock is None:
+            return False
+        with self._send_locks[peer]:
             try:
                 sock.settimeout(0.2)
                 sock.sendall(message)
+                return True
             except OSError:
-                pass
+                return False
+
+    def broadcast(self, message: bytes) -> None:
+        """Best-effort send of a control message to every peer."""
+        for peer in self.control:
+            self.send(peer, message)
+
+    def ask(self, peers: list[int]) -> list[int]:
+        """Ask ``peers`` where they are (answers land in ``answers``); the peers asked."""
+        for peer in peers:
+            self.answers.pop(peer, None)
+        return [peer for peer in peers if self.send(peer, QUERY)]
 
     def stop(self) -> None:
         """End the thread and wait for it; idempotent."""

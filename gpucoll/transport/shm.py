@@ -5,17 +5,29 @@ socket, so the segment has no name in /dev/shm at any moment: nothing is left be
 process is killed, and the kernel frees the memory once both sides have unmapped it.
 
 Layout: a 256-byte header of counters (the sender owns ``head`` and ``tx_sleep``, the receiver
-``tail`` and ``rx_sleep``, on separate cache lines), then ``cap`` data bytes. Counters only grow;
-data is published by storing ``head`` after the copy (x86-64 keeps stores in order). Every message
-starts 16-byte aligned and pieces are whole elements, so a receiver reduces typed views of the
-ring directly, without a staging copy. A side that is about to block sets its sleep flag and the
-other side rings its eventfd doorbell.
+``tail`` and ``rx_sleep``, on separate cache lines), then ``cap`` data bytes. Counters only grow.
+Every message starts 16-byte aligned and pieces are whole elements, so a receiver reduces typed
+views of the ring directly, without a staging copy. A side that is about to block sets its sleep
+flag and the other side rings its eventfd doorbell.
+
+Memory ordering. The sender copies data into the ring, then stores ``head``; the receiver loads
+``head``, then reads the data (and symmetrically for ``tail`` and the space it frees). That is
+correct only if (1) the CPU makes stores visible in program order and does not reorder loads with
+older loads, and (2) the compiler keeps the copy before the counter store. (2) holds because the
+copy and the counter store are separate calls into C (a memcpy inside NumPy or the memoryview
+code, then a store through ``memoryview.cast("q")``) that no compiler can merge or reorder. (1)
+is x86-64's total store order (TSO): stores are seen in order and loads are not reordered with
+other loads. Weakly ordered CPUs (Arm, POWER, RISC-V) need a release barrier between the copy and
+the store and an acquire barrier after the load, and Python has no way to issue one; so
+``ordered_cpu()`` says False there and the mesh joins ranks on such hosts with Unix-domain socket
+pairs instead, where the kernel's own locking orders the bytes (``gpucoll.transport.mesh``).
 """
 
 from __future__ import annotations
 
 import mmap
 import os
+import platform
 
 import numpy as np
 
@@ -23,6 +35,18 @@ HEADER = 256
 HEAD, TX_SLEEP, TAIL, RX_SLEEP = 0, 1, 16, 17  # int64 slots of the header
 PIECE = 512 << 10  # bytes moved per step: the peer works on the previous piece meanwhile
 WHOLE = 64 << 10  # messages up to this size never wrap, so a receiver can read them in place
+
+
+# CPUs whose memory model (total store order) makes the ring's counter protocol correct
+TSO_MACHINES = frozenset({"x86_64", "amd64", "i386", "i686", "x86"})
+
+
+def ordered_cpu(machine: str | None = None) -> bool:
+    """True where the shared-memory rings are safe: x86 CPUs, whose stores are seen in order
+    (see the module docstring). GPUCOLL_CPU_MACHINE overrides the machine name (for tests)."""
+    if machine is None:
+        machine = os.environ.get("GPUCOLL_CPU_MACHINE") or platform.machine()
+    return machine.lower() in TSO_MACHINES
 
 
 def _align16(n: int) -> int:
@@ -110,14 +134,17 @@ class ShmLink:
                 self.rx.ctl[TAIL] = pos
 
     # -- sending ---------------------------------------------------------------------------
-    def put(self, mv: memoryview) -> bool:
-        """Write a whole small message (after ``begin``) if there is room; True when written."""
+    def put(self, header: bytes, mv: memoryview) -> bool:
+        """Write a whole small message, frame header then payload (after ``begin``), if there is
+        room; True when written."""
         tx = self.tx
-        head, n = self._head, len(mv)
+        head, h = self._head, len(header)
+        n = h + len(mv)
         if tx.cap - (head - tx.ctl[TAIL]) < n:
             return False
         p = head % tx.cap
-        tx.mv[p:p + n] = mv
+        tx.mv[p:p + h] = header
+        tx.mv[p + h:p + n] = mv
         tx.ctl[HEAD] = head + n
         self._head = _align16(head + n)
         if tx.ctl[RX_SLEEP]:
@@ -151,6 +178,18 @@ class ShmLink:
 
     def end_send(self) -> None:
         self._head = _align16(self._head)
+
+    def sent(self) -> int:
+        """Bytes this side has put on the link so far (the receiver's ``received`` once read)."""
+        return self._head
+
+    def delivered(self) -> bool:
+        """True once the peer has consumed everything this side sent."""
+        return self.tx.ctl[TAIL] >= self._head
+
+    def undelivered(self) -> int:
+        """Bytes this side sent that the peer has not consumed."""
+        return max(self._head - self.tx.ctl[TAIL], 0)
 
     # -- receiving -------------------------------------------------------------------------
     def _available(self, remaining: int) -> tuple[int, int]:
@@ -202,6 +241,14 @@ class ShmLink:
 
     def can_recv(self) -> bool:
         return self.rx.ctl[HEAD] - self._pos > 0
+
+    def received(self) -> int:
+        """Bytes consumed from the peer so far, in the units of the peer's ``sent``."""
+        return self._pos
+
+    def unread(self) -> int:
+        """Bytes the peer published that this side has not consumed."""
+        return max(self.rx.ctl[HEAD] - self._pos, 0)
 
     def end_recv(self) -> None:
         aligned = _align16(self._pos)

@@ -7,9 +7,11 @@ socket buffers). Waiting happens in ``gpucoll.transport.engine``.
 
 from __future__ import annotations
 
+import fcntl
 import select
 import socket
 import struct
+import termios
 import time
 
 import numpy as np
@@ -90,11 +92,12 @@ HELLO = struct.Struct("!16sIc")  # listener's nonce, connecting rank, connection
 
 
 class TcpLink:
-    """A non-blocking byte stream to one peer over a connected socket."""
+    """A non-blocking byte stream to one peer over a connected socket: TCP, or a Unix-domain
+    socket between ranks on one host whose CPU cannot use the shared-memory rings (``kind`` is
+    then "unix")."""
 
-    kind = "tcp"
-
-    def __init__(self, peer: int, sock: socket.socket):
+    def __init__(self, peer: int, sock: socket.socket, kind: str = "tcp"):
+        self.kind = kind
         self.peer = peer
         self.sock = sock
         sock.setblocking(False)
@@ -102,6 +105,8 @@ class TcpLink:
         self._staging = np.empty(STAGING + 16, dtype=np.uint8)
         self._stage_mv = memoryview(self._staging)
         self._staged = 0  # bytes in staging not yet reduced (less than one element)
+        self._sent = 0
+        self._received = 0
 
     def _dead(self, exc: BaseException | None = None) -> PeerFailure:
         why = f" ({exc})" if exc else ""
@@ -110,11 +115,13 @@ class TcpLink:
     def send_some(self, mv: memoryview, off: int, end: int, item: int = 1) -> int:
         """Send from ``mv[off:end]`` what the kernel takes now; bytes sent."""
         try:
-            return self.sock.send(mv[off:min(end, off + PIECE)])
+            n = self.sock.send(mv[off:min(end, off + PIECE)])
         except BlockingIOError:
             return 0
         except (ConnectionError, OSError) as exc:
             raise self._dead(exc) from None
+        self._sent += n
+        return n
 
     def _recv_into(self, view: memoryview, want: int) -> int:
         """Up to ``want`` bytes the kernel holds now (0 if none); PeerFailure at end of stream."""
@@ -126,6 +133,7 @@ class TcpLink:
             raise self._dead(exc) from None
         if n == 0:
             raise self._dead()
+        self._received += n
         return n
 
     def recv_copy(self, mv: memoryview, off: int, end: int) -> int:
@@ -166,6 +174,35 @@ class TcpLink:
 
     def end_recv(self) -> None:
         self._staged = 0
+
+    def sent(self) -> int:
+        return self._sent
+
+    def received(self) -> int:
+        return self._received
+
+    def delivered(self) -> bool:
+        """True once the peer's kernel has acknowledged every byte sent (the send queue is
+        empty); the peer process may not have read them yet."""
+        return self.undelivered() == 0
+
+    def undelivered(self) -> int:
+        """Bytes sent but not yet acknowledged by the peer's kernel (0 for Unix sockets, whose
+        bytes sit in the receiver's buffer once sent)."""
+        if self.kind != "tcp":
+            return 0
+        try:
+            buf = fcntl.ioctl(self.fd, termios.TIOCOUTQ, b"\0\0\0\0")
+        except OSError:
+            return 0  # closed: nothing more can be learnt here
+        return struct.unpack("i", buf)[0]
+
+    def unread(self) -> int:
+        """Bytes that arrived from the peer and were not consumed (at most 64 KiB looked at)."""
+        try:
+            return len(self.sock.recv(1 << 16, socket.MSG_PEEK | socket.MSG_DONTWAIT))
+        except (BlockingIOError, OSError):
+            return 0
 
     def close(self) -> None:
         try:
