@@ -327,10 +327,9 @@ class Communicator:
         part and gets None. Collective over this communicator.
         """
         c = self._call("split")
-        if color is not None and (not isinstance(color, int) or isinstance(color, bool)):
-            raise c.fail(TypeError, f"color must be an int or None, got {type(color).__name__}")
-        if not isinstance(key, int) or isinstance(key, bool):
-            raise c.fail(TypeError, f"key must be an int, got {type(key).__name__}")
+        if color is not None:
+            color = c.integer(color, "color", expected="an int or None")
+        key = c.integer(key, "key")
         t = c.timeout(timeout, self.timeout)
         seq = self._signature(c, t, None)
         n = self._splits

@@ -8,6 +8,7 @@ whatever backend runs underneath.
 from __future__ import annotations
 
 import math
+import operator
 from typing import Any
 
 from gpucoll.arrays import ArrayRef, as_ref, check_dtype, empty_ref
@@ -47,10 +48,17 @@ class Call:
             _checked[op, dtype] = parsed
         return parsed
 
+    def integer(self, value: Any, name: str, *, expected: str = "an int") -> int:
+        """``value`` as a Python int: any integral type (int, np.int64, ...) but bool."""
+        if isinstance(value, bool) or not hasattr(type(value), "__index__"):
+            raise self.fail(TypeError, f"{name} must be {expected}, got {type(value).__name__}")
+        return operator.index(value)
+
     def rank_arg(self, value: Any, name: str) -> int:
         """A rank number in [0, size); ``name`` is root, src or dst."""
-        if not isinstance(value, int) or isinstance(value, bool):
+        if isinstance(value, bool) or not hasattr(type(value), "__index__"):
             raise self.fail(TypeError, f"{name} must be an int rank, got {type(value).__name__}")
+        value = operator.index(value)
         if not 0 <= value < self.size:
             raise self.fail(
                 ValueError, f"{name}={value} is out of range; expected 0 <= {name} < {self.size}"
@@ -76,7 +84,7 @@ class Call:
         try:
             ref = as_ref(obj, name, copy=copy)
             check_dtype(ref.dtype, name)
-        except (TypeError, ValueError) as exc:
+        except (TypeError, ValueError, MemoryError) as exc:
             raise self.fail(type(exc), str(exc)) from None
         if writable and not ref.writable:
             raise self.fail(ValueError, f"{name} is read-only; this op writes its result into it")

@@ -3,8 +3,9 @@
 Each rank is a fresh process (forkserver) running ``fn(rank, n, *args)``. The helper returns the
 ranks' results in rank order, or raises with every failing rank's traceback under a header
 ``### rank R of N``. It never leaves anything behind: ranks still running at the deadline are
-killed, and shared-memory segments the ranks made (names carry a per-call prefix) must be gone
-once they exit.
+killed, and once they exit nothing they made may remain (names and environments carry a per-call
+prefix): no shared-memory segment in /dev/shm, no process (a rank's forked child included), no
+Unix socket of the ranks' meshes.
 """
 
 from __future__ import annotations
@@ -51,6 +52,7 @@ class RanksFailed(AssertionError):
 
 
 def _child(fn: Callable, rank: int, n: int, args: tuple, env: dict, conn) -> None:
+    os.setpgid(0, 0)  # a group of its own: whatever the rank forks can be found (and killed)
     os.environ.update(env)
     try:
         value = fn(rank, n, *args)
@@ -70,6 +72,59 @@ def shm_leftovers(prefix: str) -> list[str]:
         return sorted(name for name in os.listdir(SHM_DIR) if name.startswith(prefix))
     except FileNotFoundError:
         return []
+
+
+def process_leftovers(groups: set[int]) -> list[int]:
+    """Processes still alive in the ranks' process groups (each rank leads its own)."""
+    found = []
+    for entry in os.listdir("/proc"):
+        if not entry.isdigit():
+            continue
+        try:
+            with open(f"/proc/{entry}/stat") as f:
+                fields = f.read().rsplit(")", 1)[1].split()
+        except OSError:
+            continue
+        if fields[0] != "Z" and int(fields[2]) in groups:  # state, ppid, pgrp
+            found.append(int(entry))
+    return found
+
+
+def socket_leftovers(prefix: str) -> list[str]:
+    """Unix sockets whose (abstract) name starts with the spawn's prefix."""
+    try:
+        with open("/proc/net/unix") as f:
+            lines = f.read().splitlines()[1:]
+    except OSError:
+        return []
+    names = [line.split()[-1] for line in lines if len(line.split()) > 7]
+    return sorted(name for name in names if name.lstrip("@").startswith(prefix))
+
+
+def _leftovers(prefix: str, groups: set[int], grace: float = 5.0) -> str:
+    """What the ranks left behind (empty if nothing); stray processes get ``grace`` seconds
+    to exit on their own, then are killed."""
+    deadline = time.monotonic() + grace
+    while process_leftovers(groups) and time.monotonic() < deadline:
+        time.sleep(0.05)
+    problems = []
+    procs = process_leftovers(groups)
+    for pid in procs:
+        try:
+            os.kill(pid, signal.SIGKILL)
+        except OSError:
+            pass
+    if procs:
+        problems.append(f"processes left running: {procs}")
+    socks = socket_leftovers(prefix)
+    if socks:
+        problems.append(f"sockets left open: {socks}")
+    shm = shm_leftovers(prefix)
+    for name in shm:
+        os.unlink(os.path.join(SHM_DIR, name))
+    if shm:
+        problems.append(f"shared memory left behind by the ranks: {shm}")
+    return "; ".join(problems)
 
 
 def spawn(
@@ -100,11 +155,9 @@ def spawn(
         outcomes = _collect(procs, pipes, timeout, kill or {})
     finally:
         _reap(procs)
-    leftovers = shm_leftovers(prefix)
+    leftovers = _leftovers(prefix, {p.pid for p in procs})
     if leftovers:
-        for name in leftovers:
-            os.unlink(os.path.join(SHM_DIR, name))
-        raise AssertionError(f"shared memory left behind by the ranks: {leftovers}")
+        raise AssertionError(leftovers)
     if not check:
         return outcomes
     failed = [o for o in outcomes if not o.ok]

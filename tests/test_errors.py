@@ -31,7 +31,7 @@ BAD_CALLS = [
      r"all_to_all on rank 1 of 4: .*multiple of the world size 4"),
     ("scatter root's slots not matching", lambda c: c.scatter(np.zeros((2, 3)), root=1),
      ValueError, r"scatter on rank 1 of 4: x has shape \(2, 3\)"),
-    ("0-d input where slots are needed", lambda c: c.reduce_scatter(np.float64(1.0)),
+    ("0-d input where slots are needed", lambda c: c.reduce_scatter(np.array(1.0)),
      ValueError, r"reduce_scatter on rank 1 of 4: x is 0-d"),
     ("unsupported dtype", lambda c: c.all_reduce(np.array(["a", "b"])), TypeError,
      r"all_reduce on rank 1 of 4: x has unsupported dtype str\d*; expected"),

@@ -52,6 +52,19 @@ def test_a_killed_rank_reports_its_signal():
     assert [o.exitcode for o in outcomes] == [-9, -9]
 
 
+def _leave_a_child(rank, n):
+    if os.fork() == 0:
+        import time
+
+        time.sleep(3600)
+        os._exit(0)
+
+
+def test_a_process_left_behind_is_killed_and_fails_the_test():
+    with pytest.raises(AssertionError, match="processes left running"):
+        spawn(_leave_a_child, 1)
+
+
 def test_shared_memory_left_behind_fails_the_test():
     with pytest.raises(AssertionError, match="shared memory left behind"):
         spawn(_leave_shm, 1)

@@ -45,6 +45,42 @@ def to_numpy(obj: Any) -> np.ndarray:
     return np.asarray(memoryview(obj))
 
 
+def _contiguous_copy(arr: np.ndarray, name: str) -> np.ndarray:
+    """A C-contiguous copy of a strided view (read-only if the view is, so that an op which
+    writes into its input refuses it before anything is sent). A copy larger than the memory
+    available is a MemoryError naming the argument and the bytes, not an allocation that the
+    kernel's out-of-memory killer ends."""
+    need = arr.size * arr.itemsize
+    if need > _available_bytes():
+        raise _too_big(arr, name, need)
+    try:
+        copy = np.ascontiguousarray(arr)
+    except MemoryError:
+        raise _too_big(arr, name, need) from None
+    if not arr.flags.writeable:
+        copy.flags.writeable = False
+    return copy
+
+
+def _too_big(arr: np.ndarray, name: str, need: int) -> MemoryError:
+    return MemoryError(
+        f"{name} is a non-contiguous view (shape {arr.shape}, strides {arr.strides}) whose "
+        f"contiguous copy would need {need} bytes ({need / 2**30:.1f} GiB), more than this "
+        f"machine has available; pass a contiguous array, or a smaller one")
+
+
+def _available_bytes() -> int:
+    """MemAvailable from /proc/meminfo (no limit where it cannot be read)."""
+    try:
+        with open("/proc/meminfo", "rb") as f:
+            for line in f:
+                if line.startswith(b"MemAvailable:"):
+                    return int(line.split()[1]) * 1024
+    except (OSError, ValueError, IndexError):
+        pass
+    return 1 << 62
+
+
 class HostAdapter(Adapter):
     kind = "host"
 
@@ -56,6 +92,11 @@ class HostAdapter(Adapter):
         return _dlpack_on_cpu(obj) or _has_buffer(obj)
 
     def ref(self, obj: Any, name: str, *, copy: bool) -> ArrayRef:
+        if isinstance(obj, np.generic):
+            raise TypeError(
+                f"{name} is a NumPy scalar ({type(obj).__name__}), which is immutable: a "
+                f"collective could not return its result in it; pass an array, e.g. "
+                f"np.array([{name}]) or np.asarray({name}).reshape(1)")
         arr = to_numpy(obj)
         if not arr.flags.c_contiguous:
             if not copy:
@@ -63,7 +104,7 @@ class HostAdapter(Adapter):
                     f"{name} must be C-contiguous; got shape {arr.shape} with strides "
                     f"{arr.strides} (pass np.ascontiguousarray({name}))"
                 )
-            arr = obj = np.ascontiguousarray(arr)
+            arr = obj = _contiguous_copy(arr, name)
         flat = arr.ravel()  # a view: arr is C-contiguous
         return ArrayRef(
             obj, "host", arr.__array_interface__["data"][0], arr.shape, arr.dtype, flat.size,

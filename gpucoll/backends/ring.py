@@ -33,7 +33,7 @@ from gpucoll.backends import ring_algos as algos
 from gpucoll.backends.base import Backend
 from gpucoll.errors import CollectiveMismatch, CollectiveTimeout, GpucollError, PeerFailure
 from gpucoll.ops import ReduceOp, finish_avg, host_ufunc
-from gpucoll.progress import IN_CALL, KIND, SLOTS, Progress, diagnose
+from gpucoll.progress import IN_CALL, KIND, SLOTS, Progress, diagnose, kind_name
 from gpucoll.transport.engine import CORES, Engine, Recv, Send, State
 from gpucoll.transport.mesh import Mesh
 from gpucoll.transport.monitor import Monitor, encode_abort, encode_close
@@ -125,7 +125,8 @@ class RingBackend(Backend):
         return {j: link.kind for j, link in enumerate(self._mesh.links) if link is not None}
 
     # -- running a call --------------------------------------------------------------------
-    def _call(self, opname: str, timeout: float, hdr: bytes, fn: Callable, *args) -> None:
+    def _call(self, kind: str, timeout: float, hdr: bytes, fn: Callable, *args) -> None:
+        opname = self._name(kind)
         self._check_usable(opname)
         step = algos.Step(self._engine, self.rank, self.size, time.monotonic() + timeout, opname,
                           self._order, self._pos, hdr)
@@ -174,6 +175,14 @@ class RingBackend(Backend):
         code = p.kind if p.state == IN_CALL and p.kind else KIND[kind]
         return algos.frame(code, max(p.seq, 0), arr.dtype, arr.size, root, op)
 
+    def _name(self, kind: str) -> str:
+        """How errors name the running call: the communicator's call and its sequence number
+        (``scatter #3``) while it marks one in ``progress``, else the backend's method."""
+        p = self.progress
+        if p.state == IN_CALL and p.kind:
+            return f"{kind_name(p.kind)} #{p.seq}"
+        return kind
+
     def _check_usable(self, opname: str) -> None:
         if self._closed:
             raise GpucollError(f"{opname} on rank {self.rank}: the ring backend is closed")
@@ -209,7 +218,9 @@ class RingBackend(Backend):
         self._error = exc
         peer = getattr(exc, "peer", None)
         culprit = peer if isinstance(peer, int) else self.rank
-        self._monitor.broadcast(encode_abort(exc, culprit))
+        for j, link in enumerate(self._mesh.links):
+            if link is not None:
+                self._monitor.send(j, encode_abort(exc, culprit, link.received()))
 
     def _fail(self, exc: BaseException) -> None:
         """Poison, and release the connections now unless a call in flight still uses them
@@ -507,6 +518,13 @@ class RingBackend(Backend):
         if problem is not None:
             raise problem
 
+    def _in_close(self, failure: BaseException) -> GpucollError:
+        message = f"close on rank {self.rank}: {failure}"
+        err = PeerFailure(message, failure.peer) if isinstance(failure, PeerFailure) \
+            else type(failure)(message)
+        err.peer = getattr(failure, "peer", None)
+        return err
+
     def _drop_progress_map(self) -> None:
         record = self.__dict__.get("_progress_record")
         if record is not None:
@@ -531,37 +549,81 @@ class RingBackend(Backend):
             self._release()
 
     def _say_goodbye(self) -> GpucollError | None:
-        """Tell each peer how much of its data this rank consumed, give what this rank sent a
-        moment to be consumed, and say what was lost (None if nothing)."""
+        """Give what this rank sent a moment to be consumed, tell each peer how much of its data
+        this rank consumed, and say what went wrong (None if nothing): data a peer sent that no
+        call here received (ranks disagreed: the peers are told so), or data this rank sent to
+        a peer that left without it."""
         links, state = self._mesh.links, self._state
-        healthy = self._error is None and state.failure is None
+        if self._error is None and state.failure is None:
+            self._await_delivery()
+        problem = None
+        if state.failure is not None:  # report it if data this rank sent is in question
+            if self._error is None and (self._undelivered() is not None or not all(
+                    self._settled(j, link) for j, link in enumerate(links))):
+                problem = self._in_close(state.failure)
+        elif self._error is None:
+            problem = self._unreceived()
+            if problem is not None:
+                for j, link in enumerate(links):
+                    if link is not None:
+                        self._monitor.send(j, encode_abort(problem, self.rank, link.received()))
         for j, link in enumerate(links):
             if link is not None:
                 self._monitor.send(j, encode_close(link.received()))
-        if not healthy:
-            return None
-        gone = lambda j: j in state.closed_peers or j in state.ended  # noqa: E731
+        if problem is None and self._error is None:
+            problem = self._undelivered()
+        return problem
+
+    def _await_delivery(self) -> None:
+        """Wait up to the close grace until every peer has consumed what this rank sent it
+        (shared memory shows that directly; over a socket only the peer's own close says it),
+        has gone, or has failed."""
+        links, state = self._mesh.links, self._state
         deadline = time.monotonic() + _CLOSE_GRACE_S
-        while time.monotonic() < deadline and not all(
-                link is None or link.delivered() or gone(j) for j, link in enumerate(links)):
+        while state.failure is None and time.monotonic() < deadline and not all(
+                self._settled(j, link) for j, link in enumerate(links)):
             time.sleep(0.001)
-        for j, link in enumerate(links):
+
+    def _settled(self, j: int, link: Any) -> bool:
+        """Nothing this rank sent to peer ``j`` is still in question: it sent nothing, the peer
+        consumed it (visible on shared memory), or the peer closed or is gone (its close says
+        what it consumed)."""
+        state = self._state
+        return (link is None or not link.sent() or (link.kind == "shm" and link.delivered())
+                or j in state.closed_peers or j in state.ended)
+
+    def _unreceived(self) -> CollectiveMismatch | None:
+        """A mismatch naming the first message a peer sent that no call here received."""
+        for j, link in enumerate(self._mesh.links):
+            if link is not None and link.unread():
+                head = link.next_frame(algos.FRAME.size)
+                what = f"a message of {algos.describe_frame(head)}" if head else \
+                    f"{link.unread()} or more bytes"
+                err = CollectiveMismatch(
+                    f"close on rank {self.rank}: rank {j} sent this rank {what} that no call "
+                    f"here received (ranks disagree on a collective, or a send has no recv)")
+                err.peer = j
+                return err
+        return None
+
+    def _undelivered(self) -> PeerFailure | None:
+        """A failure naming a peer that left without consuming what this rank sent it: it said
+        how much it consumed (closing or aborting), or it died and shared memory shows what it
+        left; a socket cannot tell, so anything sent to a peer that died is in question."""
+        state = self._state
+        for j, link in enumerate(self._mesh.links):
             if link is None:
                 continue
-            consumed = state.closed_peers.get(j)
+            consumed = state.consumed.get(j)
             if consumed is not None:
                 lost = link.sent() - consumed
+            elif j not in state.ended:
+                lost = 0
             else:
-                lost = link.undelivered() if j in state.ended else 0
+                lost = link.undelivered() if link.kind == "shm" else link.sent()
             if lost > 0:
                 return PeerFailure(f"close on rank {self.rank}: rank {j} left without "
                                    f"receiving {lost} bytes this rank sent it", peer=j)
-        for j, link in enumerate(links):
-            if link is not None and link.unread():
-                return CollectiveMismatch(
-                    f"close on rank {self.rank}: rank {j} sent this rank {link.unread()} or more "
-                    f"bytes that no call received (a send without its recv, or ranks that "
-                    f"disagree on a collective)")
         return None
 
 

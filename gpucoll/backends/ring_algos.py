@@ -22,7 +22,7 @@ from gpucoll.arrays import SUPPORTED_DTYPES
 from gpucoll.ops import ReduceOp
 from gpucoll.progress import kind_name
 from gpucoll.transport.engine import FRAME_BYTES, Peek, Put, Recv, RecvReduce, Send
-from gpucoll.transport.shm import WHOLE
+from gpucoll.transport.shm import FRAME_MAGIC, WHOLE
 
 # below this many bytes per rank, one round of direct messages beats the ring's 2(n-1) steps
 DIRECT_BYTES = 64 << 10
@@ -34,7 +34,7 @@ CHAIN_CHUNK = 4 << 20  # bytes per round of the reduce chain (its scratch size)
 # Every message starts with one: magic, call kind, reduce op, dtype, flags (unused), root, spare,
 # sequence number, element count. The receiver compares it with the header of its own call.
 FRAME = struct.Struct("<4sBBBBiIQQ")
-MAGIC = b"GCf1"
+MAGIC = FRAME_MAGIC
 _DTYPE_CODES: dict[np.dtype, int] = {}
 _OP_CODES = {op: i + 1 for i, op in enumerate(ReduceOp)}
 _OPS = {code: op for op, code in _OP_CODES.items()}

@@ -192,23 +192,37 @@ class Put(Op):
 
 class Peek(Op):
     """Wait for a small message on a shared-memory link; ``view`` then shows its payload in the
-    ring (read it, then ``link.release(nbytes)``)."""
+    ring (read it, then ``link.release(nbytes)``). Its header is checked as soon as it is
+    there, so a peer that sent a shorter message of another call is caught, not waited for."""
 
-    __slots__ = ("view",)
+    __slots__ = ("view", "checked")
 
     def __init__(self, link, payload: int, hdr: bytes):
         super().__init__(link, payload, False, hdr)
         self.view = None
+        self.checked = False
+
+    def ready(self) -> bool:
+        return self.link.peek(self.nbytes) is not None
 
     def step(self) -> int:
         view = self.link.peek(self.nbytes)
         if view is None:
+            if not self.checked:
+                head = self.link.peek(FRAME_BYTES)
+                if head is not None:
+                    self._check(head)
             return 0
-        if view[:FRAME_BYTES].data != self.hdr:
-            raise FrameMismatch(self.link.peer, view[:FRAME_BYTES].tobytes(), self.hdr)
+        if not self.checked:
+            self._check(view[:FRAME_BYTES])
         self.view = view[FRAME_BYTES:]
         self.off = self.nbytes
         return self.nbytes
+
+    def _check(self, head) -> None:
+        if head.data != self.hdr:
+            raise FrameMismatch(self.link.peer, head.tobytes(), self.hdr)
+        self.checked = True
 
     def finish(self) -> None:
         pass
@@ -229,6 +243,7 @@ class State:
     def __init__(self):
         self.failure: GpucollError | None = None
         self.closed_peers: dict[int, int] = {}  # peer -> bytes it consumed from us, at close
+        self.consumed: dict[int, int] = {}  # the same, said by a peer that closed or aborted
         self.ended: set[int] = set()  # peers whose control connection is finished
 
 

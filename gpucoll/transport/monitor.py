@@ -11,7 +11,8 @@ and raises. The monitor also answers a peer's question "where are you?" with thi
 
 Messages (one byte of type, then a fixed layout):
   C  u64 bytes consumed from the receiver of this message    clean close
-  A  u8 kind, i32 culprit, u16 length, reason (UTF-8)        abort
+  A  u8 kind, i32 culprit, u64 bytes consumed (as C),
+     u16 length, reason (UTF-8)                              abort
   Q                                                          where are you?
   P  the asker's Progress record                             answer to Q
 """
@@ -30,19 +31,19 @@ from gpucoll.transport.engine import State
 
 CLOSE, ABORT, QUERY, POSITION = b"C", b"A", b"Q", b"P"
 _CLOSE = struct.Struct("!Q")
-_ABORT = struct.Struct("!BiH")  # failure kind, rank to blame, reason length
+_ABORT = struct.Struct("!BiQH")  # failure kind, rank to blame, bytes consumed, reason length
 _POSITION_BYTES = 8 * SLOTS
 # abort kinds: the class a peer's failure is re-raised as on every rank (a timeout and a
 # mismatch keep their kind; anything else, an interrupt included, is a failed peer)
 _KINDS = (PeerFailure, CollectiveTimeout, CollectiveMismatch)
 
 
-def encode_abort(error: BaseException, culprit: int) -> bytes:
+def encode_abort(error: BaseException, culprit: int, consumed: int = 0) -> bytes:
     """An abort message for ``error``; ``culprit`` is the rank to blame (a dead or stuck peer,
-    or the sender itself)."""
+    or the sender itself); ``consumed``: bytes of the receiver's data this rank consumed."""
     kind = next((i for i, cls in enumerate(_KINDS) if isinstance(error, cls)), 0)
     data = f"{type(error).__name__}: {error}".encode("utf-8", "replace")[:4000]
-    return ABORT + _ABORT.pack(kind, culprit, len(data)) + data
+    return ABORT + _ABORT.pack(kind, culprit, consumed, len(data)) + data
 
 
 def encode_close(consumed: int) -> bytes:
@@ -136,9 +137,10 @@ class Monitor:
             head = 1 + _ABORT.size
             if len(buf) < head:
                 return 0
-            code, culprit, n = _ABORT.unpack_from(buf, 1)
+            code, culprit, consumed, n = _ABORT.unpack_from(buf, 1)
             if len(buf) < head + n:
                 return 0
+            self.state.consumed[peer] = consumed
             self._aborted(peer, code, culprit, buf[head:head + n].decode("utf-8", "replace"))
             return head + n
         if kind == QUERY:
@@ -155,6 +157,7 @@ class Monitor:
 
     def _closed(self, peer: int, consumed: int) -> None:
         self.state.closed_peers[peer] = consumed
+        self.state.consumed[peer] = consumed
         lost = self.unconsumed(peer, consumed)
         if lost > 0:
             self._fail(peer, f"rank {peer} closed its communicator without receiving {lost} "

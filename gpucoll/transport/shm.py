@@ -31,6 +31,7 @@ import platform
 
 import numpy as np
 
+FRAME_MAGIC = b"GCf1"  # how a message's frame header starts (gpucoll.backends.ring_algos)
 HEADER = 256
 HEAD, TX_SLEEP, TAIL, RX_SLEEP = 0, 1, 16, 17  # int64 slots of the header
 PIECE = 512 << 10  # bytes moved per step: the peer works on the previous piece meanwhile
@@ -249,6 +250,17 @@ class ShmLink:
     def unread(self) -> int:
         """Bytes the peer published that this side has not consumed."""
         return max(self.rx.ctl[HEAD] - self._pos, 0)
+
+    def next_frame(self, size: int) -> bytes | None:
+        """The first ``size`` bytes of the next unread message (its frame header), wherever
+        the sender placed it (a small message may have skipped to the ring's start)."""
+        rx, pos = self.rx, self._pos
+        for start in (pos, pos + rx.cap - pos % rx.cap):
+            if rx.ctl[HEAD] - start >= size and start % rx.cap + size <= rx.cap:
+                head = rx.data[start % rx.cap:start % rx.cap + size].tobytes()
+                if head[:4] == FRAME_MAGIC:
+                    return head
+        return None
 
     def end_recv(self) -> None:
         aligned = _align16(self._pos)

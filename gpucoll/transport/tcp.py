@@ -197,6 +197,14 @@ class TcpLink:
             return 0  # closed: nothing more can be learnt here
         return struct.unpack("i", buf)[0]
 
+    def next_frame(self, size: int) -> bytes | None:
+        """The first ``size`` bytes of the next unread message, if they have arrived."""
+        try:
+            head = self.sock.recv(size, socket.MSG_PEEK | socket.MSG_DONTWAIT)
+        except (BlockingIOError, OSError):
+            return None
+        return head if len(head) == size else None
+
     def unread(self) -> int:
         """Bytes that arrived from the peer and were not consumed (at most 64 KiB looked at)."""
         try:

@@ -1,0 +1,571 @@
+"""The fault suite: ranks killed, stopped, closed early or making different calls; bad input on
+one rank; a forked child and a second thread using a communicator. Every case runs on both
+transports and at 2 and 3 ranks (4 where the scenario needs it), asserts the exception's type,
+the rank it names and how soon it came, and (through the spawn helper) that no process, socket or
+shared-memory segment is left behind.
+
+Ranks coordinate through the test's own store (``_side``): a rank that dies writes the time first,
+so that its peers can measure how long they took to notice.
+"""
+
+from __future__ import annotations
+
+import os
+import signal
+import threading
+import time
+
+import numpy as np
+import pytest
+from multiproc import spawn
+
+import gpucoll
+from gpucoll.errors import (
+    BackendUnavailable,
+    CollectiveMismatch,
+    GpucollError,
+    PeerFailure,
+    UsageError,
+)
+
+LONG = 60.0  # a deadline no passing case gets near: faults must be noticed without it
+BOUND_S = 5.0  # how soon a survivor must raise after a peer dies, closes or disagrees
+TRANSPORTS = ["shm", "tcp"]
+WORLDS = [2, 3]
+
+pytestmark = pytest.mark.timeout(120)
+
+
+def _env(transport: str, **more: str) -> dict[str, str]:
+    return {"GPUCOLL_TRANSPORT": transport, **more}
+
+
+def _open(rank: int, n: int, addr: str, timeout: float = LONG):
+    return gpucoll.init("ring", rank=rank, world_size=n, store=addr, timeout=timeout)
+
+
+def _side(addr: str):
+    """A client of the test's store, for the ranks' own coordination."""
+    from gpucoll.store import TCPStore, parse_address
+
+    host, port = parse_address(addr)
+    return TCPStore(host, port, timeout=LONG)
+
+
+def _die(side, key: str = "died") -> None:
+    """Record the time, then die at once (SIGKILL: no clean-up, as a crash)."""
+    side.set(key, repr(time.time()))
+    side.close()
+    os.kill(os.getpid(), signal.SIGKILL)
+
+
+def _outcome(exc: BaseException, side, key: str = "died") -> tuple:
+    """What a survivor saw: the error's type, the rank it names, its text, and how many seconds
+    after the event recorded under ``key`` it came."""
+    since = time.time() - float(side.get(key, timeout=LONG))
+    return type(exc).__name__, getattr(exc, "peer", None), str(exc), since
+
+
+def _check(outcome, kind: type, peer: int | None, *words: str) -> None:
+    name, named, text, since = outcome
+    assert name == kind.__name__, text
+    if peer is not None:
+        assert named == peer, text
+    for word in words:
+        assert word in text, text
+    assert since < BOUND_S, f"{since:.1f} s: {text}"
+
+
+# -- 1. a peer killed while the others wait for it in a call ----------------------------------
+
+def _root_dies_before_scatter(rank, n, addr):
+    side = _side(addr)
+    with _open(rank, n, addr) as comm:
+        comm.barrier()
+        if rank == 0:
+            _die(side)
+        try:
+            comm.scatter(None, root=0)
+        except GpucollError as exc:
+            return _outcome(exc, side)
+
+
+@pytest.mark.parametrize("transport", TRANSPORTS)
+@pytest.mark.parametrize("n", WORLDS)
+def test_a_root_killed_before_scatter_fails_the_waiting_ranks_fast(store_addr, transport, n):
+    outcomes = spawn(_root_dies_before_scatter, n, store_addr, env=_env(transport), check=False)
+    for o in outcomes[1:]:
+        _check(o.value, PeerFailure, 0, "scatter #1 on rank", "rank 0")
+
+
+def _rank_dies_before_split(rank, n, addr):
+    side = _side(addr)
+    with _open(rank, n, addr) as comm:
+        comm.barrier()
+        if rank == n - 1:
+            _die(side)
+        try:
+            comm.split(0)
+        except GpucollError as exc:
+            return _outcome(exc, side)
+
+
+@pytest.mark.parametrize("transport", TRANSPORTS)
+@pytest.mark.parametrize("n", WORLDS)
+def test_a_rank_killed_before_split_fails_the_others_fast(store_addr, transport, n):
+    outcomes = spawn(_rank_dies_before_split, n, store_addr, env=_env(transport), check=False)
+    for o in outcomes[:-1]:
+        _check(o.value, PeerFailure, n - 1, "split #1 on rank", f"rank {n - 1}")
+
+
+def _killed_mid_all_reduce(rank, n, addr):
+    side = _side(addr)
+    with _open(rank, n, addr) as comm:
+        x = np.ones(1 << 20, np.float32)
+        for i in range(100_000):
+            if rank == 1 and i == 3:
+                _die(side)
+            try:
+                comm.all_reduce(x)
+            except GpucollError as exc:
+                return _outcome(exc, side)
+
+
+@pytest.mark.parametrize("transport", TRANSPORTS)
+@pytest.mark.parametrize("n", WORLDS)
+def test_a_rank_killed_mid_collective_is_named_by_every_survivor(store_addr, transport, n):
+    outcomes = spawn(_killed_mid_all_reduce, n, store_addr, env=_env(transport), check=False)
+    assert outcomes[1].exitcode == -signal.SIGKILL
+    for o in outcomes[:1] + outcomes[2:]:
+        _check(o.value, PeerFailure, 1, "all_reduce #", "rank 1")
+
+
+# -- 2. point to point makes progress in every order MPI allows -----------------------------
+
+BIG = 4_000_000  # float32 elements: 16 MB, far past the shared-memory ring and socket buffers
+
+
+def _exchange(rank, n, addr, order):
+    with _open(rank, n, addr) as comm:
+        right, left = (rank + 1) % n, (rank - 1) % n
+        x = np.full(BIG, rank, np.float32)
+        y = np.zeros(BIG, np.float32)
+        if order == "isend, then recv":
+            work = comm.send(x, right, async_op=True)
+            comm.recv(y, left)
+            work.wait()
+        elif order == "irecv, then send":
+            work = comm.recv(y, left, async_op=True)
+            comm.send(x, right)
+            work.wait()
+        else:  # each rank picks its own order of two non-blocking calls
+            if rank % 2:
+                works = [comm.recv(y, left, async_op=True), comm.send(x, right, async_op=True)]
+            else:
+                works = [comm.send(x, right, async_op=True), comm.recv(y, left, async_op=True)]
+            for work in reversed(works):
+                work.wait()
+        return bool((y == left).all())
+
+
+@pytest.mark.parametrize("transport", TRANSPORTS)
+@pytest.mark.parametrize("n", WORLDS)
+@pytest.mark.parametrize("order", ["isend, then recv", "irecv, then send", "mixed"])
+def test_neighbour_exchange_of_16_mb_never_deadlocks(store_addr, transport, n, order):
+    assert all(spawn(_exchange, n, store_addr, order, env=_env(transport), timeout=90))
+
+
+def _send_long_before_recv(rank, n, addr):
+    side = _side(addr)
+    with _open(rank, n, addr) as comm:
+        if rank == 0:
+            works = [comm.send(np.full(BIG // 4, k, np.float32), 1, async_op=True)
+                     for k in range(4)]  # several outstanding sends to one peer
+            side.set("posted", "1")
+            for work in works:
+                work.wait(LONG)
+            return True
+        if rank == 1:
+            side.get("posted", timeout=LONG)
+            time.sleep(0.5)  # the receives come long after the sends
+            got = []
+            for _ in range(4):
+                y = np.zeros(BIG // 4, np.float32)
+                comm.recv(y, 0)
+                got.append(float(y[0]) if (y == y[0]).all() else -1.0)
+            return got == [0.0, 1.0, 2.0, 3.0]
+        return True
+
+
+@pytest.mark.parametrize("transport", TRANSPORTS)
+@pytest.mark.parametrize("n", WORLDS)
+def test_sends_posted_long_before_their_receives_arrive_in_order(store_addr, transport, n):
+    assert all(spawn(_send_long_before_recv, n, store_addr, env=_env(transport), timeout=90))
+
+
+# -- 3. nothing sent is silently lost; nobody waits on a rank that left ---------------------
+
+def _send_after_peer_left(rank, n, addr, how, call):
+    side = _side(addr)
+    comm = _open(rank, n, addr)
+    try:
+        comm.barrier()
+        if rank == 1:
+            if how == "killed":
+                _die(side)
+            comm.close()
+            side.set("died", repr(time.time()))
+            return None
+        side.get("died", timeout=LONG)
+        time.sleep(0.2)  # let the news of rank 1 arrive: the call must not "succeed" anyway
+        try:
+            if call == "send":
+                comm.send(np.ones(4, np.float32), 1)
+            else:
+                comm.broadcast(np.ones(4, np.float32), root=0)
+            comm.close()
+        except GpucollError as exc:
+            return _outcome(exc, side)
+        return None
+    finally:
+        comm.close() if not comm.closed else None
+
+
+@pytest.mark.parametrize("transport", TRANSPORTS)
+@pytest.mark.parametrize("n", WORLDS)
+@pytest.mark.parametrize("how", ["closed", "killed"])
+@pytest.mark.parametrize("call", ["send", "broadcast"])
+def test_sending_to_a_rank_that_left_is_a_peer_failure_not_a_loss(store_addr, transport, n,
+                                                                  how, call):
+    outcomes = spawn(_send_after_peer_left, n, store_addr, how, call, env=_env(transport),
+                     check=False)
+    _check(outcomes[0].value, PeerFailure, 1, "rank 1")
+
+
+def _first_finisher_closes(rank, n, addr):
+    side = _side(addr)
+    comm = _open(rank, n, addr)
+    comm.barrier()
+    side.set("started", repr(time.time()))
+    count = 5 if rank == 1 else 4  # rank 1 disagrees on the size
+    try:
+        comm.broadcast(np.ones(count, np.float32), root=0)
+        comm.close()  # rank 0 finishes first (it only sends) and leaves
+    except GpucollError as exc:
+        return _outcome(exc, side, "started")
+    finally:
+        if not comm.closed:
+            try:
+                comm.close()
+            except GpucollError:
+                pass
+    return None
+
+
+@pytest.mark.parametrize("transport", TRANSPORTS)
+@pytest.mark.parametrize("n", WORLDS)
+def test_a_size_disagreement_is_caught_even_when_one_side_finishes_first(store_addr,
+                                                                         transport, n):
+    outcomes = spawn(_first_finisher_closes, n, store_addr, env=_env(transport), check=False)
+    _check(outcomes[1].value, CollectiveMismatch, None, "float32", "4 elements", "5 elements")
+    name, _, text, _ = outcomes[0].value  # the root does not leave believing all went well
+    assert name in ("CollectiveMismatch", "PeerFailure"), text
+
+
+def _wait_on_a_rank_that_closed(rank, n, addr):
+    side = _side(addr)
+    with _open(rank, n, addr) as comm:
+        comm.barrier()
+        if rank == n - 1:
+            comm.close()
+            side.set("died", repr(time.time()))
+            return None
+        side.get("died", timeout=LONG)
+        try:
+            comm.all_reduce(np.ones(1000, np.float32))
+        except GpucollError as exc:
+            return _outcome(exc, side)
+
+
+@pytest.mark.parametrize("transport", TRANSPORTS)
+@pytest.mark.parametrize("n", WORLDS)
+def test_a_rank_waiting_on_one_that_closed_fails_at_once(store_addr, transport, n):
+    outcomes = spawn(_wait_on_a_rank_that_closed, n, store_addr, env=_env(transport),
+                     check=False)
+    for o in outcomes[:-1]:
+        _check(o.value, PeerFailure, n - 1, "closed")
+
+
+# -- 4. and 7. and 12. an argument error on one rank never desynchronises the others --------
+
+def _wrong_out_in_scatter(rank, n, addr):
+    with _open(rank, n, addr) as comm:
+        x = np.arange(n * 4, dtype=np.float32).reshape(n, 4) if rank == 0 else None
+        out = np.zeros(3 if rank == 1 else 4, np.float32)
+        try:
+            comm.scatter(x, root=0, out=out)
+            error = None
+        except CollectiveMismatch as exc:
+            error = str(exc)
+        # the group is still in step: the same call, now right, and another collective
+        comm.scatter(x, root=0, out=(good := np.zeros(4, np.float32)))
+        total = comm.all_reduce(np.ones(1))
+        return error, good.tolist(), float(total[0])
+
+
+@pytest.mark.parametrize("transport", TRANSPORTS)
+@pytest.mark.parametrize("n", WORLDS)
+def test_a_wrong_out_in_scatter_is_a_mismatch_on_every_rank_before_data_moves(store_addr,
+                                                                              transport, n):
+    for rank, (error, good, total) in enumerate(spawn(_wrong_out_in_scatter, n, store_addr,
+                                                       env=_env(transport))):
+        assert error is not None and f"scatter on rank {rank} of {n}" in error
+        assert "rank 1's out is float32[3]" in error and "root 0 scatters slots of float32[4]" \
+            in error and "no data moved" in error
+        assert good == list(range(4 * rank, 4 * rank + 4)) and total == n
+
+
+def _bad_input_then_good(rank, n, addr, bad):
+    with _open(rank, n, addr) as comm:
+        errors = []
+        if rank == 1:
+            readonly = np.ones(8, np.float32)[::2]
+            readonly.flags.writeable = False
+            tries = {"scalar": np.float32(1), "read-only": readonly,
+                     "huge view": np.broadcast_to(np.ones(1, np.float32), (1 << 42,))}
+            try:
+                comm.all_reduce(tries[bad])
+            except (TypeError, ValueError, MemoryError) as exc:
+                errors.append((type(exc).__name__, str(exc)))
+        x = np.full(4, rank + 1.0, np.float32)
+        comm.all_reduce(x)
+        root = comm.broadcast(np.full(2, float(rank)), root=np.int64(n - 1))  # any integral root
+        return errors, x.tolist(), root.tolist()
+
+
+@pytest.mark.parametrize("transport", TRANSPORTS)
+@pytest.mark.parametrize("n", WORLDS)
+@pytest.mark.parametrize("bad, kind, words", [
+    ("scalar", "TypeError", "x is a NumPy scalar (float32)"),
+    ("read-only", "ValueError", "x is read-only"),
+    ("huge view", "MemoryError", "would need 17592186044416 bytes"),
+])
+def test_bad_input_on_one_rank_is_refused_there_before_anything_is_sent(store_addr, transport,
+                                                                         n, bad, kind, words):
+    results = spawn(_bad_input_then_good, n, store_addr, bad, env=_env(transport))
+    total = float(sum(range(1, n + 1)))
+    for rank, (errors, x, root) in enumerate(results):
+        if rank == 1:
+            (name, text), = errors
+            assert name == kind and "all_reduce on rank 1 of" in text and words in text, text
+        assert x == [total] * 4 and root == [float(n - 1)] * 2
+
+
+# -- 5. a forked child cannot use its parent's communicator; the parent goes on -------------
+
+def _fork_and_misuse(rank, n, addr):
+    with _open(rank, n, addr) as comm:
+        comm.barrier()
+        pid = os.fork()
+        if pid == 0:
+            code = 9
+            try:
+                comm.all_reduce(np.ones(4))
+            except UsageError as exc:
+                code = 3 if "forked child" in str(exc) else 4
+            except BaseException:  # noqa: BLE001 - any other outcome fails the test
+                code = 5
+            comm.close()  # must not touch the parent's connections
+            os._exit(code)
+        _, status = os.waitpid(pid, 0)
+        sums = []
+        for size in (4, 1 << 18, 4):  # the parent's communicator still works, small and large
+            sums.append(float(comm.all_reduce(np.full(size, rank + 1.0))[-1]))
+        return os.waitstatus_to_exitcode(status), sums
+
+
+@pytest.mark.parametrize("transport", TRANSPORTS)
+@pytest.mark.parametrize("n", WORLDS)
+def test_a_forked_child_gets_a_usage_error_and_the_parent_keeps_working(store_addr,
+                                                                        transport, n):
+    total = sum(range(1, n + 1))
+    for code, sums in spawn(_fork_and_misuse, n, store_addr, env=_env(transport)):
+        assert code == 3 and sums == [total] * 3
+
+
+# -- 6. two threads in one communicator at once ---------------------------------------------
+
+def _two_threads(rank, n, addr):
+    side = _side(addr)
+    comm = _open(rank, n, addr)
+    try:
+        comm.barrier()
+        if rank != 0:
+            side.get("second-thread-done", timeout=LONG)  # join the all_reduce late
+            try:
+                comm.all_reduce(np.ones(4))
+            except GpucollError as exc:
+                return "peer", type(exc).__name__, exc.peer, str(exc)
+            return "peer", None, None, "no error"
+        first: list = []
+
+        def inside():
+            try:
+                first.append(comm.all_reduce(np.ones(4)).tolist())
+            except GpucollError as exc:
+                first.append(type(exc).__name__)
+
+        thread = threading.Thread(target=inside)
+        thread.start()
+        time.sleep(0.3)  # the first thread is now waiting inside all_reduce
+        try:
+            comm.barrier()
+            second = "no error"
+        except UsageError as exc:
+            second = str(exc)
+        side.set("second-thread-done", "1")
+        thread.join(LONG)
+        return "rank 0", first, second
+    finally:
+        try:
+            comm.close()
+        except GpucollError:
+            pass
+
+
+@pytest.mark.parametrize("transport", TRANSPORTS)
+@pytest.mark.parametrize("n", WORLDS)
+def test_a_second_thread_is_refused_and_nobody_computes_on_mismatched_calls(store_addr,
+                                                                           transport, n):
+    results = spawn(_two_threads, n, store_addr, env=_env(transport))
+    _, first, second = results[0]
+    assert "barrier on rank 0" in second and "another thread is inside all_reduce" in second
+    assert first == ["GpucollError"] or first[0] in ("PeerFailure", "GpucollError"), first
+    for _, kind, peer, text in results[1:]:
+        assert kind == "PeerFailure" and peer == 0, text
+
+
+# -- 8. calls that disagree, with GPUCOLL_DEBUG off --------------------------------------------
+
+CALLS = {
+    "size": lambda comm, odd: comm.all_reduce(np.ones(5 if odd else 4, np.float32)),
+    "dtype": lambda comm, odd: comm.all_reduce(np.ones(4, np.float64 if odd else np.float32)),
+    "call": lambda comm, odd: (comm.broadcast if odd else comm.all_reduce)(
+        np.ones(4, np.float32)),
+    "root": lambda comm, odd: comm.broadcast(np.ones(4, np.float32), root=1 if odd else 0),
+    "op": lambda comm, odd: comm.all_reduce(np.ones(4, np.float32), op="max" if odd else "sum"),
+    "large size": lambda comm, odd: comm.all_reduce(np.ones(300_001 if odd else 300_000,
+                                                            np.float32)),
+}
+
+
+def _disagree(rank, n, addr, case):
+    """Rank 1 calls something else. Calls that only send (a broadcast's root) may return; the
+    disagreement is then caught by the next receive or, here, by close()."""
+    side = _side(addr)
+    comm = _open(rank, n, addr)
+    comm.barrier()
+    side.set("started", repr(time.time()))
+    try:
+        CALLS[case](comm, rank == 1)
+        comm.close()
+    except GpucollError as exc:
+        return _outcome(exc, side, "started")
+    finally:
+        try:
+            comm.close()
+        except GpucollError:
+            pass
+    return None
+
+
+@pytest.mark.parametrize("transport", TRANSPORTS)
+@pytest.mark.parametrize("n", WORLDS)
+@pytest.mark.parametrize("case", sorted(CALLS))
+def test_ranks_that_make_different_calls_all_raise_a_mismatch_naming_both(store_addr,
+                                                                          transport, n, case):
+    outcomes = spawn(_disagree, n, store_addr, case, env=_env(transport), check=False)
+    for o in outcomes:
+        if case == "root" and o.rank == 2:
+            continue  # it only received root 0's data, as it expected: its result is right
+        assert o.value is not None, f"rank {o.rank} returned without an error: {o.trace}"
+        _check(o.value, CollectiveMismatch, None, "disagree")
+
+
+# -- 9. a stopped rank is named, with where it stopped --------------------------------------
+
+def _one_rank_stops(rank, n, addr):
+    side = _side(addr)
+    victim = n - 1
+    comm = _open(rank, n, addr, timeout=3.0)
+    for _ in range(5):
+        comm.all_reduce(np.ones(16))
+    if rank == victim:
+        side.set("victim-pid", str(os.getpid()))
+        os.kill(os.getpid(), signal.SIGSTOP)  # ... until a survivor sends SIGCONT
+    outcome = None
+    try:
+        comm.all_reduce(np.ones(16))
+        comm.close()
+    except GpucollError as exc:
+        outcome = type(exc).__name__, getattr(exc, "peer", None), str(exc)
+    finally:
+        if rank == 0:
+            os.kill(int(side.get("victim-pid", timeout=LONG)), signal.SIGCONT)
+        try:
+            comm.close()
+        except GpucollError:
+            pass
+    return outcome
+
+
+@pytest.mark.parametrize("transport", TRANSPORTS)
+@pytest.mark.parametrize("n", [2, 3, 4])
+def test_a_stopped_rank_is_named_with_where_it_stopped_by_every_other_rank(store_addr,
+                                                                           transport, n):
+    results = spawn(_one_rank_stops, n, store_addr, env=_env(transport), timeout=60)
+    victim = n - 1
+    others = ", ".join(str(r) for r in range(n) if r != victim)
+    for kind, peer, text in results[:-1]:
+        assert kind == "CollectiveTimeout" and peer == victim, text
+        assert f"rank {victim} is behind, before call #5 (after all_reduce #4) and does not " \
+               f"respond (stopped?)" in text, text
+        assert f"{'rank' if n == 2 else 'ranks'} {others} {'is' if n == 2 else 'are'} in " \
+               f"all_reduce #5" in text, text
+    # once resumed, the stopped rank learns it too (its own call may still complete: the
+    # others' data was already there; then close() reports it)
+    kind, _, text = results[victim]
+    assert kind == "CollectiveTimeout" and "Where the ranks are" in text, text
+
+
+# -- 11. weakly ordered CPUs use Unix sockets, not the shared-memory rings ------------------
+
+def _collectives_on(rank, n, addr):
+    with _open(rank, n, addr) as comm:
+        x = np.arange(300_001, dtype=np.float64) * (rank + 1)
+        comm.all_reduce(x)
+        small = comm.all_gather(np.full(3, rank))
+        return comm._backend.links, float(x[1]), small.tolist()
+
+
+@pytest.mark.parametrize("n", WORLDS)
+def test_on_a_weakly_ordered_cpu_ranks_on_one_host_use_unix_sockets(store_addr, n):
+    results = spawn(_collectives_on, n, store_addr,
+                    env={"GPUCOLL_CPU_MACHINE": "aarch64", "GPUCOLL_TRANSPORT": "auto"})
+    total = float(sum(range(1, n + 1)))
+    for links, value, small in results:
+        assert set(links.values()) == {"unix"} and value == total
+        assert small == [[r] * 3 for r in range(n)]
+
+
+def _forced_shm(rank, n, addr):
+    try:
+        _open(rank, n, addr, timeout=10).close()
+    except BackendUnavailable as exc:
+        return str(exc)
+
+
+def test_forcing_shared_memory_on_a_weakly_ordered_cpu_is_refused_with_the_reason(store_addr):
+    for text in spawn(_forced_shm, 2, store_addr,
+                      env={"GPUCOLL_CPU_MACHINE": "aarch64", "GPUCOLL_TRANSPORT": "shm"}):
+        assert text is not None and "not safe on this CPU" in text
