@@ -24,14 +24,10 @@ import re
 import zlib
 from collections.abc import Mapping
 
-from gpucoll.errors import GpucollError
+from gpucoll.errors import RendezvousError
 
 DEFAULT_PORT = 29510
 _JOB_PORT_BASE, _JOB_PORT_SPAN = 20000, 12000  # below Linux's ephemeral range (32768+)
-
-
-class RendezvousError(GpucollError, ValueError):
-    """The environment does not say who this rank is or where the ranks meet."""
 
 
 @dataclasses.dataclass(frozen=True)

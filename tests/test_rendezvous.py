@@ -129,6 +129,14 @@ def test_rendezvous_error_is_a_value_error():
         from_env({"PATH": "/bin"})
 
 
+def test_rendezvous_error_is_exported_in_the_one_hierarchy():
+    import gpucoll
+
+    with pytest.raises(gpucoll.GpucollError) as info:
+        from_env({"PATH": "/bin"})
+    assert type(info.value) is gpucoll.RendezvousError is RendezvousError
+
+
 def test_missing_world_size_is_named():
     with pytest.raises(RendezvousError, match="WORLD_SIZE is not set"):
         from_env({"RANK": "0"})

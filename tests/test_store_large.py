@@ -17,13 +17,13 @@ from gpucoll.store.protocol import (
     Frame,
     FrameReader,
     Op,
+    ReplyReader,
     Status,
     decode_args,
     encode,
     encode_payload,
     unsent,
 )
-from gpucoll.store.stream import ReplyReader
 
 
 def pattern(n: int, seed: int = 0) -> bytes:

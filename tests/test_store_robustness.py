@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import pickle
 import socket
 import struct
 import threading
@@ -196,6 +197,14 @@ def test_value_over_the_server_limit_from_a_raw_client_is_refused():
         assert reply.code == Status.ERROR and b"limit of 100" in decode_args(reply)[0]
         sock.close()
         assert not s.check(["k"])
+
+
+def test_frame_error_is_an_exported_store_error_that_pickles_with_its_fields():
+    import gpucoll
+
+    err = pickle.loads(pickle.dumps(gpucoll.FrameError("bad frame", rid=7, fatal=False)))
+    assert isinstance(err, gpucoll.StoreError) and isinstance(err, ValueError)
+    assert (str(err), err.rid, err.fatal) == ("bad frame", 7, False)
 
 
 def test_failed_fire_and_forget_set_breaks_the_connection_visibly(store_server):

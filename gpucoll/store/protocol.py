@@ -1,4 +1,5 @@
-"""The store's wire format: length-prefixed frames shared by the server and the client.
+"""The store's wire format: length-prefixed frames, and the readers that cut them from a socket
+(``FrameReader`` on the server's non-blocking sockets, ``ReplyReader`` on a client's blocking one).
 
 A frame is a 13-byte header ``<IBII`` (payload bytes, op or status code, request id, argument
 count) followed by the payload: ``argc`` little-endian u32 lengths, then the arguments' bytes
@@ -14,8 +15,10 @@ import itertools
 import mmap
 import socket
 import struct
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from typing import NamedTuple
+
+from gpucoll.errors import FrameError
 
 VERSION = b"gpucoll-store/1"
 HEADER = struct.Struct("<IBII")
@@ -65,15 +68,6 @@ class Status(enum.IntEnum):
     OK = 0
     ERROR = 1
     TIMEOUT = 2
-
-
-class FrameError(ValueError):
-    """A frame that breaks the format; ``fatal`` when the stream cannot be resynchronised."""
-
-    def __init__(self, message: str, rid: int = NO_REPLY, fatal: bool = True):
-        super().__init__(message)
-        self.rid = rid
-        self.fatal = fatal
 
 
 class Frame(NamedTuple):
@@ -244,3 +238,70 @@ class FrameReader:
                     return []
         payload, self._big = self._big, None
         return [Frame(*self._head, payload)]
+
+
+class ReplyReader:
+    """Reads reply frames from ``sock`` (blocking, with a kernel receive timeout: SO_RCVTIMEO).
+
+    Whenever a receive times out, ``tick()`` is called; it raises once the caller's deadline
+    has passed and may shorten the next receive's timeout. ``torn`` is True while a frame has
+    been started but not finished: a deadline then leaves the stream unusable.
+    """
+
+    def __init__(self, sock: socket.socket):
+        self._file = sock.makefile("rb", buffering=RECV_CHUNK)
+        self.torn = False
+
+    def read_frame(self, tick: Callable[[], None]) -> tuple[int, int, list[bytes]] | None:
+        """The next frame as (code, request id, arguments); None when the peer closed the
+        stream. FrameError for a frame that breaks the format."""
+        head = self._exact(HEADER_SIZE, tick)
+        if head is None:
+            return None
+        self.torn = True
+        plen, code, rid, argc = HEADER.unpack(head)
+        table = 4 * argc
+        if plen < BIG_ARG or table > plen:  # small: one read, then slices of it
+            payload = self._exact(plen, tick)
+            if payload is None:
+                return None
+            self.torn = False
+            return code, rid, decode_args(Frame(code, rid, argc, payload))
+        raw = self._exact(table, tick)
+        if raw is None:
+            return None
+        lengths = struct.unpack(f"<{argc}I", raw)
+        if table + sum(lengths) != plen:
+            raise FrameError(f"argument lengths add up to {sum(lengths)} bytes, frame holds "
+                             f"{plen - table}", rid)
+        args = []
+        for n in lengths:
+            arg = self._exact(n, tick)
+            if arg is None:
+                return None
+            args.append(arg)
+        self.torn = False
+        return code, rid, args
+
+    def close(self) -> None:
+        """Release the socket's file object (waits for a read in progress to return)."""
+        self._file.close()
+
+    def _exact(self, n: int, tick: Callable[[], None]) -> bytes | None:
+        """Exactly ``n`` bytes, or None at end of stream."""
+        data = self._file.read(n)
+        if data is not None and len(data) == n:
+            return data  # the common case: one call
+        parts: list[bytes] = []
+        got = 0
+        while True:
+            if data is not None:
+                if not data:
+                    return None
+                parts.append(data)
+                got += len(data)
+                if got == n:
+                    return b"".join(parts)
+                self.torn = True
+            tick()  # the receive timed out (or came up short): is there time left?
+            data = self._file.read(n - got)

@@ -13,11 +13,15 @@ import heapq
 import hmac
 import itertools
 import logging
+import resource
+import select
 import socket
+import struct
 import threading
 import time
+from typing import Any
 
-from gpucoll.store.netio import Poller, listen, raise_fd_limit
+from gpucoll.errors import FrameError, StoreError
 from gpucoll.store.protocol import (
     DEFAULT_MAX_VALUE_BYTES,
     FRAME_SLACK,
@@ -28,7 +32,6 @@ from gpucoll.store.protocol import (
     NO_REPLY,
     VERSION,
     Frame,
-    FrameError,
     FrameReader,
     Op,
     Status,
@@ -37,9 +40,114 @@ from gpucoll.store.protocol import (
     encode_payload,
     unsent,
 )
-from gpucoll.store.watch import PARKED, Waiter, Watch, park_request
 
 log = logging.getLogger("gpucoll.store")
+
+
+# ----------------------------------------------------------------- sockets
+def raise_fd_limit() -> int:
+    """Lift the soft open-files limit to the hard one (a store may hold thousands of sockets)."""
+    soft, hard = resource.getrlimit(resource.RLIMIT_NOFILE)
+    want = hard if hard != resource.RLIM_INFINITY else max(soft, 1 << 16)
+    if soft != resource.RLIM_INFINITY and soft < want:
+        try:
+            resource.setrlimit(resource.RLIMIT_NOFILE, (want, hard))
+            return want
+        except (ValueError, OSError):
+            pass
+    return soft
+
+
+class Poller:
+    """epoll where there is one (Linux), else poll(2): one small seam for the loop."""
+
+    def __init__(self):
+        if hasattr(select, "epoll"):
+            self._p, self._ms = select.epoll(), False
+            self.IN, self.OUT = select.EPOLLIN, select.EPOLLOUT
+            self.ERR = select.EPOLLERR | select.EPOLLHUP
+        else:
+            self._p, self._ms = select.poll(), True
+            self.IN, self.OUT = select.POLLIN, select.POLLOUT
+            self.ERR = select.POLLERR | select.POLLHUP
+        self.register, self.modify = self._p.register, self._p.modify
+        self.unregister = self._p.unregister
+
+    def poll(self, timeout: float | None) -> list[tuple[int, int]]:
+        if timeout is None:
+            return self._p.poll(None if self._ms else -1)
+        return self._p.poll(timeout * 1000 if self._ms else timeout)
+
+    def close(self) -> None:
+        close = getattr(self._p, "close", None)
+        if close is not None:
+            close()
+
+
+def listen(host: str, port: int) -> socket.socket:
+    """A non-blocking listening socket; IPv6 literals and names resolve through getaddrinfo."""
+    infos = socket.getaddrinfo(host or None, port, type=socket.SOCK_STREAM,
+                               flags=socket.AI_PASSIVE)
+    last: OSError | None = None
+    for family, kind, proto, _, addr in infos:
+        sock = socket.socket(family, kind, proto)
+        try:
+            sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
+            sock.bind(addr)
+            sock.listen(4096)
+            sock.setblocking(False)
+            return sock
+        except OSError as exc:
+            sock.close()
+            last = exc
+    raise StoreError(f"cannot serve a store on {host}:{port}: {last}")
+
+
+# ----------------------------------------------------------------- parked requests
+class Watch:
+    """One list of keys that parked requests wait for, shared by every request naming the
+    same list (ranks of a job all wait for the same keys: one scan serves them all)."""
+
+    __slots__ = ("ident", "keys", "pos", "members", "live")
+
+    def __init__(self, ident: bytes, keys: list[bytes]):
+        self.ident, self.keys = ident, keys
+        self.pos = 0  # keys[:pos] were all present when last looked at
+        self.members: list[Waiter] = []
+        self.live = 0  # members still waiting; 0 makes the watch stale
+
+
+class Waiter:
+    """A parked get/multi_get/wait request, answered when its watch completes or expires."""
+
+    __slots__ = ("conn", "rid", "op", "watch", "deadline", "done")
+
+    def __init__(self, conn: Any, rid: int, op: int, watch: Watch, deadline: float):
+        self.conn, self.rid, self.op, self.watch = conn, rid, op, watch
+        self.deadline = deadline
+        self.done = False
+
+
+PARKED = frozenset((Op.GET, Op.MULTI_GET, Op.WAIT))
+
+
+def park_request(frame: Frame) -> tuple[bytes, float]:
+    """The identity of a parked request's key list (its bytes, without the timeout) and its
+    timeout; FrameError if the frame is not ``timeout, key...``."""
+    payload, argc = frame.payload, frame.argc
+    table = 4 * argc
+    if argc < 2 or (frame.code == Op.GET and argc != 2) or table > len(payload):
+        raise FrameError("a blocking request needs a timeout and its keys", frame.rid,
+                         fatal=False)
+    lengths = struct.unpack_from(f"<{argc}I", payload)
+    if lengths[0] != 8 or table + sum(lengths) != len(payload):
+        raise FrameError("malformed blocking request", frame.rid, fatal=False)
+    timeout = struct.unpack_from("<d", payload, table)[0]
+    if not 0.0 <= timeout <= 1e9:  # also refuses NaN
+        raise FrameError(f"timeout {timeout!r} is not a number of seconds", frame.rid,
+                         fatal=False)
+    # get, multi_get and wait of the same keys share one watch; only the replies differ
+    return bytes(payload[4:table]) + bytes(payload[table + 8:]), timeout
 
 
 class _Conn:
