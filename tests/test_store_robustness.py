@@ -10,50 +10,8 @@ import threading
 import pytest
 
 from gpucoll import StoreError, StoreTimeout, TCPStore
-from gpucoll.store.protocol import HEADER, VERSION, Frame, Op, Status, decode_args, encode
-
-
-def raw_connect(port: int) -> socket.socket:
-    sock = socket.create_connection(("127.0.0.1", port), timeout=10)
-    return sock
-
-
-def read_frame(sock: socket.socket) -> Frame | None:
-    """One whole reply frame from a raw socket, or None if the server closed it."""
-    head = _read_exact(sock, HEADER.size)
-    if head is None:
-        return None
-    plen, code, rid, argc = HEADER.unpack(head)
-    payload = _read_exact(sock, plen)
-    return None if payload is None else Frame(code, rid, argc, payload)
-
-
-def _read_exact(sock: socket.socket, n: int) -> bytes | None:
-    data = b""
-    while len(data) < n:
-        try:
-            chunk = sock.recv(n - len(data))
-        except ConnectionResetError:
-            return None
-        if not chunk:
-            return None
-        data += chunk
-    return data
-
-
-def closed_by_server(sock: socket.socket) -> bool:
-    """True once the server has closed this connection (drains anything it sent first)."""
-    while True:
-        try:
-            if not sock.recv(65536):
-                return True
-        except ConnectionResetError:
-            return True
-
-
-def hello(sock: socket.socket, token: str = "") -> Frame:
-    sock.sendall(encode(Op.HELLO, 1, [VERSION, token.encode()])[0])
-    return read_frame(sock)
+from gpucoll.store.protocol import HEADER, Op, Status, decode_args, encode
+from tests.store_wire import closed_by_server, hello, raw_connect, read_frame
 
 
 def still_serves(port: int) -> bool:
@@ -275,9 +233,10 @@ def test_nothing_listening_times_out_naming_the_address():
 
 
 def test_connection_that_never_says_hello_is_dropped():
+    from gpucoll.store import StoreLimits
     from gpucoll.store.server import StoreServer
 
-    server = StoreServer("127.0.0.1", 0, hello_timeout=0.2)
+    server = StoreServer("127.0.0.1", 0, limits=StoreLimits(hello_timeout=0.2))
     try:
         sock = raw_connect(server.port)
         assert closed_by_server(sock)  # nothing sent: dropped at the hello deadline

@@ -30,7 +30,7 @@ from gpucoll.store.protocol import (
     pack_timeout,
     unsent,
 )
-from gpucoll.store.server import StoreServer
+from gpucoll.store.server import StoreLimits, StoreServer
 
 _WILDCARDS = {"", "0.0.0.0", "::", "*"}
 # how long past a blocking call's own timeout to wait for the server's timeout reply
@@ -45,12 +45,14 @@ class TCPStore:
     ``port=0`` (server only) picks a free port, reported as ``.port``. ``token`` (default:
     GPUCOLL_STORE_TOKEN) must match the server's. ``timeout`` bounds connecting and is the
     default deadline of every call. ``max_value_bytes`` (server only) caps each value; clients
-    learn the server's cap when they connect. Safe to use from several threads at once.
+    learn the server's cap when they connect. ``limits`` (server only, a ``StoreLimits``)
+    bounds what one client can make the server hold. Safe to use from several threads at once.
     """
 
     def __init__(self, host: str, port: int, *, is_server: bool = False,
                  timeout: float = 300.0, token: str | None = None,
-                 max_value_bytes: int = DEFAULT_MAX_VALUE_BYTES):
+                 max_value_bytes: int = DEFAULT_MAX_VALUE_BYTES,
+                 limits: StoreLimits | None = None):
         _check_timeout(timeout, "timeout")
         if not isinstance(port, int) or not 0 <= port < 65536:
             raise ValueError(f"TCPStore: port must be an int in [0, 65535], got {port!r}")
@@ -60,12 +62,15 @@ class TCPStore:
                 max_value_bytes > (1 << 32) - (1 << 21):
             raise ValueError(f"TCPStore: max_value_bytes must be in [1, 4 GiB - 2 MiB], "
                              f"got {max_value_bytes!r}")
+        if limits is not None and not is_server:
+            raise ValueError("TCPStore: limits are the server's; pass them with is_server=True")
         token = token if token is not None else env_token()
         self.host, self.port, self.timeout = host, port, float(timeout)
         self._server: StoreServer | None = None
         self._closed = False
         if is_server:
-            self._server = StoreServer(host, port, token=token, max_value_bytes=max_value_bytes)
+            self._server = StoreServer(host, port, token=token, max_value_bytes=max_value_bytes,
+                                       limits=limits)
             self.port = self._server.port
         target = "127.0.0.1" if is_server and host in _WILDCARDS else host
         try:

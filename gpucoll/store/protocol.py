@@ -32,8 +32,6 @@ MAX_PAYLOAD = 0xFFFFFFFF  # the header's length field is 32 bits
 DEFAULT_MAX_VALUE_BYTES = 256 << 20
 # room for keys and lengths beside the largest value in one frame
 FRAME_SLACK = 1 << 20
-# before the token is checked a peer may send only this much (a hello is tiny)
-HELLO_LIMIT = 64 << 10
 RECV_CHUNK = 64 << 10  # recv(n) allocates n bytes first: larger costs more than it saves
 # payloads larger than one receive go straight into a buffer of their own: no regrowing
 _BIG_PAYLOAD = RECV_CHUNK
@@ -163,16 +161,34 @@ def pack_timeout(seconds: float) -> bytes:
     return struct.pack("<d", seconds)
 
 
+class Reserve:
+    """Bytes that buffers of frames still arriving may hold before their data is in, shared by
+    every connection of a server. A buffer is zeroed when allocated, so without this bound a
+    header alone would make the server hold memory; past it, buffers are mapped lazily and take
+    memory only as their bytes arrive (fresh pages cost a fault each, so only past it)."""
+
+    def __init__(self, budget: int):
+        self.left = budget
+
+
 class FrameReader:
     """Accumulates bytes from a non-blocking socket (the server's side) and cuts them into
     frames no larger than ``limit``."""
 
-    def __init__(self, limit: int):
+    def __init__(self, limit: int, reserve: Reserve | None = None):
         self.limit = limit
+        self._reserve = reserve if reserve is not None else Reserve(_MAP_FROM)
+        self._held = 0  # what the unfinished large frame holds of the reserve
         self._buf: bytes | bytearray = b""  # an unfinished frame's first bytes
         self._big: bytearray | mmap.mmap | None = None
         self._fill = 0
         self._head: tuple[int, int, int] = (0, 0, 0)
+
+    def close(self) -> None:
+        """Give back the reserve held by an unfinished frame (its connection is gone)."""
+        self._reserve.left += self._held
+        self._held = 0
+        self._big, self._buf = None, b""
 
     def read_from(self, sock: socket.socket) -> list[Frame] | None:
         """One ``recv``; the frames it completed, or None when the peer closed the stream."""
@@ -212,7 +228,12 @@ class FrameReader:
         return frames, pos
 
     def _start_big(self, plen: int, code: int, rid: int, argc: int, data, start: int) -> None:
-        self._big = bytearray(plen) if plen < _MAP_FROM else mmap.mmap(-1, plen)
+        if plen < _MAP_FROM and plen <= self._reserve.left:
+            self._reserve.left -= plen
+            self._held = plen
+            self._big = bytearray(plen)
+        else:
+            self._big = mmap.mmap(-1, plen)
         self._fill = len(data) - start
         with memoryview(self._big) as view:
             view[:self._fill] = data[start:]
@@ -237,6 +258,8 @@ class FrameReader:
                 if budget <= 0:
                     return []
         payload, self._big = self._big, None
+        self._reserve.left += self._held
+        self._held = 0
         return [Frame(*self._head, payload)]
 
 

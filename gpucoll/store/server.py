@@ -3,11 +3,16 @@
 No thread per client: a blocking ``get``/``wait`` parks its request server-side until the keys
 are set or its deadline passes, so thousands of waiting ranks cost one small record each.
 A client that sends garbage gets an error reply or loses its connection; nobody else notices.
+What one client can make the server hold is bounded (``StoreLimits``): a small first message
+before its token is checked, so many unsent replies before the server stops reading its requests
+(TCP then holds the client's further sends back), so many parked requests; and a frame's header
+alone never makes the server allocate memory its bytes have not arrived for.
 """
 
 from __future__ import annotations
 
 import collections
+import dataclasses
 import errno
 import heapq
 import hmac
@@ -26,7 +31,6 @@ from gpucoll.store.protocol import (
     DEFAULT_MAX_VALUE_BYTES,
     FRAME_SLACK,
     HEADER,
-    HELLO_LIMIT,
     MAX_IOV,
     MAX_PAYLOAD,
     NO_REPLY,
@@ -34,6 +38,7 @@ from gpucoll.store.protocol import (
     Frame,
     FrameReader,
     Op,
+    Reserve,
     Status,
     decode_args,
     encode,
@@ -42,6 +47,39 @@ from gpucoll.store.protocol import (
 )
 
 log = logging.getLogger("gpucoll.store")
+# bytes of frames still arriving that the server zeroes ahead of their data (all connections
+# together); past it, buffers are mapped lazily and take memory only as the bytes arrive
+ZEROED_RESERVE = 64 << 20
+# a paused client is read again once its unsent replies fall to this fraction of the limit
+_RESUME_AT = 0.5
+
+
+@dataclasses.dataclass(frozen=True)
+class StoreLimits:
+    """What one client can make the server hold (each limit is per connection).
+
+    ``hello_bytes``: the largest first message, read before the token is checked (a hello is
+    the protocol name and the token). ``buffered_bytes``: replies the client has not read yet;
+    past it the server reads no more of its requests until it catches up, so a client that
+    never reads costs about this much and its own sends block. ``waiting``: requests parked at
+    once (``get``/``wait`` of keys not set yet); more are refused with an error reply.
+    ``hello_timeout``: seconds a new connection has to say hello before it is dropped.
+    """
+
+    hello_bytes: int = 4096
+    buffered_bytes: int = 64 << 20
+    waiting: int = 4096
+    hello_timeout: float = 60.0
+
+    def __post_init__(self):
+        for name, low in (("hello_bytes", 64), ("buffered_bytes", 1 << 16), ("waiting", 1)):
+            value = getattr(self, name)
+            if not isinstance(value, int) or isinstance(value, bool) or value < low:
+                raise ValueError(f"StoreLimits: {name} must be an int >= {low}, got {value!r}")
+        if isinstance(self.hello_timeout, bool) or not isinstance(
+                self.hello_timeout, (int, float)) or not 0 < self.hello_timeout < 1e9:
+            raise ValueError(f"StoreLimits: hello_timeout must be a positive number of "
+                             f"seconds, got {self.hello_timeout!r}")
 
 
 # ----------------------------------------------------------------- sockets
@@ -151,15 +189,18 @@ def park_request(frame: Frame) -> tuple[bytes, float]:
 
 
 class _Conn:
-    __slots__ = ("sock", "fd", "peer", "reader", "out", "authed", "closing", "closed",
-                 "waiters")
+    __slots__ = ("sock", "fd", "peer", "reader", "out", "queued", "paused", "backlog",
+                 "authed", "closing", "closed", "waiters")
 
-    def __init__(self, sock: socket.socket, peer: str):
+    def __init__(self, sock: socket.socket, peer: str, reader: FrameReader):
         self.sock = sock
         self.fd = sock.fileno()
         self.peer = peer
-        self.reader = FrameReader(HELLO_LIMIT)
+        self.reader = reader
         self.out: collections.deque[memoryview] = collections.deque()
+        self.queued = 0  # bytes in ``out``
+        self.paused = False  # too many unsent replies: its requests are not read meanwhile
+        self.backlog: collections.deque[Frame] = collections.deque()  # read before a pause
         self.authed = False
         self.closing = False
         self.closed = False
@@ -175,10 +216,15 @@ class StoreServer:
     """Serves the store on ``host:port`` (0 picks a free port) from a background thread."""
 
     def __init__(self, host: str, port: int, *, token: str | None = None,
-                 max_value_bytes: int = DEFAULT_MAX_VALUE_BYTES, hello_timeout: float = 60.0):
+                 max_value_bytes: int = DEFAULT_MAX_VALUE_BYTES,
+                 limits: StoreLimits | None = None):
         self.max_value_bytes = int(max_value_bytes)
-        self.hello_timeout = hello_timeout  # a connection that never says hello is dropped
+        self.limits = limits if limits is not None else StoreLimits()
         self._token = (token or "").encode()
+        if len(VERSION) + len(self._token) + 8 > self.limits.hello_bytes:
+            raise ValueError(f"StoreServer: a token of {len(self._token)} bytes does not fit "
+                             f"in a hello of limits.hello_bytes={self.limits.hello_bytes}")
+        self._reserve = Reserve(ZEROED_RESERVE)
         # values: bytes, or memoryviews of the buffer a large value was received into
         self._data: dict[bytes, bytes | memoryview] = {}
         self._parked: dict[bytes, list[Watch]] = {}  # missing key -> watches stopped at it
@@ -245,7 +291,9 @@ class StoreServer:
         try:
             if events & self._poller.OUT:
                 self._flush(conn)
-            if events & (self._poller.IN | self._poller.ERR) and not conn.closed:
+            if conn.paused and events & self._poller.ERR:
+                self._drop(conn)  # gone while its replies waited: nobody to send them to
+            elif events & (self._poller.IN | self._poller.ERR) and not conn.closed:
                 self._on_readable(conn)
         except Exception as exc:  # noqa: BLE001 - one client's failure stays its own
             log.debug("dropping store client %s: %r", conn.peer, exc)
@@ -290,15 +338,19 @@ class StoreServer:
                 return
             sock.setblocking(False)
             sock.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
-            conn = _Conn(sock, f"{addr[0]}:{addr[1]}")
+            reader = FrameReader(self.limits.hello_bytes, self._reserve)
+            conn = _Conn(sock, f"{addr[0]}:{addr[1]}", reader)
             self._conns[conn.fd] = conn
             self._poller.register(conn.fd, self._poller.IN)
-            self._add_timer(time.monotonic() + self.hello_timeout, conn)
+            self._add_timer(time.monotonic() + self.limits.hello_timeout, conn)
 
     def _drop(self, conn: _Conn) -> None:
         if conn.closed:
             return
         conn.closed = True
+        conn.reader.close()  # gives back what its unfinished frame held of the reserve
+        conn.out.clear()
+        conn.backlog.clear()
         for w in list(conn.waiters):
             self._retire(w)
         self._conns.pop(conn.fd, None)
@@ -322,8 +374,11 @@ class StoreServer:
         if frames is None:
             self._drop(conn)
             return
-        for frame in frames:
+        for i, frame in enumerate(frames):
             if conn.closing or conn.closed:
+                return
+            if conn.paused:  # the rest waits until the client has read its replies
+                conn.backlog.extend(frames[i:])
                 return
             self._handle(conn, frame)
 
@@ -373,33 +428,46 @@ class StoreServer:
         self._write(conn, encode(status, rid, args))
 
     def _write(self, conn: _Conn, bufs: list[bytes]) -> None:
-        """Send now what the socket takes; queue the rest for when it is writable."""
+        """Send now what the socket takes; queue the rest for when it is writable, and stop
+        reading the client's requests while too much of it waits (backpressure)."""
         if conn.closed:
             return
-        if conn.out:
+        was_empty = not conn.out
+        if not was_empty:
             conn.out.extend(memoryview(b) for b in bufs)
-            return
-        try:
-            if len(bufs) == 1:
-                sent = conn.sock.send(bufs[0])
-            else:  # scatter-gather: large values go out of the objects that hold them
-                sent = conn.sock.sendmsg(bufs if len(bufs) <= MAX_IOV else bufs[:MAX_IOV])
-        except (BlockingIOError, InterruptedError):
-            sent = 0
-        except OSError:
-            self._drop(conn)
-            return
-        if sent == (len(bufs[0]) if len(bufs) == 1 else sum(map(len, bufs))):
-            return
-        conn.out.extend(unsent(bufs, sent))
-        self._poller.modify(conn.fd, self._poller.IN | self._poller.OUT)
+            conn.queued += sum(map(len, bufs))
+        else:
+            try:
+                if len(bufs) == 1:
+                    sent = conn.sock.send(bufs[0])
+                else:  # scatter-gather: large values go out of the objects that hold them
+                    sent = conn.sock.sendmsg(bufs if len(bufs) <= MAX_IOV else bufs[:MAX_IOV])
+            except (BlockingIOError, InterruptedError):
+                sent = 0
+            except OSError:
+                self._drop(conn)
+                return
+            if sent == (len(bufs[0]) if len(bufs) == 1 else sum(map(len, bufs))):
+                return
+            rest = unsent(bufs, sent)
+            conn.out.extend(rest)
+            conn.queued += sum(map(len, rest))
+        pause = conn.queued > self.limits.buffered_bytes and not conn.paused
+        if pause:
+            conn.paused = True
+            log.debug("store client %s has %d bytes of replies unread: not reading its "
+                      "requests until it catches up", conn.peer, conn.queued)
+        if was_empty or pause:
+            self._poller.modify(conn.fd, self._poller.OUT if conn.paused else
+                                self._poller.IN | self._poller.OUT)
 
     def _flush(self, conn: _Conn) -> None:
         while conn.out:
             try:
                 sent = conn.sock.sendmsg(list(itertools.islice(conn.out, MAX_IOV)))
             except (BlockingIOError, InterruptedError):
-                return
+                break
+            conn.queued -= sent
             while sent and conn.out:
                 head = conn.out[0]
                 if sent >= len(head):
@@ -408,10 +476,21 @@ class StoreServer:
                 else:
                     conn.out[0] = head[sent:]
                     sent = 0
-        if conn.closing:
+        if conn.closing and not conn.out:
             self._drop(conn)
-        else:
+        elif conn.paused and conn.queued <= self.limits.buffered_bytes * _RESUME_AT:
+            self._resume(conn)
+        elif not conn.out:
             self._poller.modify(conn.fd, self._poller.IN)
+
+    def _resume(self, conn: _Conn) -> None:
+        """The client caught up: handle what was read before the pause, then read again."""
+        conn.paused = False
+        while conn.backlog and not (conn.paused or conn.closing or conn.closed):
+            self._handle(conn, conn.backlog.popleft())
+        if not conn.closed:
+            events = self._poller.IN if not conn.paused else 0
+            self._poller.modify(conn.fd, events | (self._poller.OUT if conn.out else 0))
 
     # ----------------------------------------------------------------- operations
     def _check_value(self, value: bytes, rid: int) -> None:
@@ -492,6 +571,10 @@ class StoreServer:
                 self._reply(conn, Status.OK, frame.rid, [] if frame.code == Op.WAIT else [value])
                 return
         ident, timeout = park_request(frame)
+        if len(conn.waiters) >= self.limits.waiting:
+            raise FrameError(f"{len(conn.waiters)} requests of this connection already wait "
+                             f"for keys (the store's limit per connection)", frame.rid,
+                             fatal=False)
         watch = self._watches.get(ident)
         fresh = watch is None
         if fresh:
@@ -541,7 +624,9 @@ class StoreServer:
                 w.conn.waiters.discard(w)
                 argc, size, (first, *rest) = empty if w.op == Op.WAIT else full
                 head = HEADER.pack(size, status if w.op != Op.WAIT else Status.OK, w.rid, argc)
-                self._write(w.conn, [head + first, *rest])
+                # a large first buffer is shared by every member's reply, not copied into each
+                self._write(w.conn, [head + first, *rest] if len(first) < _SHARE_FROM else
+                            [head, first, *rest])
         return True
 
     def _retire(self, w: Waiter) -> None:
@@ -577,7 +662,7 @@ class StoreServer:
             if type(w) is _Conn:
                 if not w.done:
                     log.debug("store client %s sent no hello in %g s", w.peer,
-                              self.hello_timeout)
+                              self.limits.hello_timeout)
                     self._drop(w)
             elif not w.done:
                 self._retire(w)
@@ -587,6 +672,7 @@ class StoreServer:
 
 
 _STORING = frozenset((Op.SET, Op.MULTI_SET, Op.COMPARE_SET))
+_SHARE_FROM = 4096  # reply payloads from this size are sent as a buffer of their own
 
 
 def _expect_args(frame: Frame, args: list[bytes], n: int) -> None:
