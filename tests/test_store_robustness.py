@@ -2,9 +2,12 @@
 
 from __future__ import annotations
 
+import os
 import pickle
 import socket
 import struct
+import subprocess
+import sys
 import threading
 
 import pytest
@@ -243,3 +246,45 @@ def test_connection_that_never_says_hello_is_dropped():
         sock.close()
     finally:
         server.close()
+
+
+# ----------------------------------------------------------------------------- open to the network
+@pytest.fixture
+def fresh_warning(monkeypatch):
+    """Forget that this process already warned about a store without a token."""
+    monkeypatch.setattr("gpucoll.store.server._warned_open", False)
+
+
+def test_a_store_without_a_token_on_every_interface_warns_once(fresh_warning, monkeypatch):
+    monkeypatch.delenv("GPUCOLL_STORE_TOKEN", raising=False)
+    with pytest.warns(UserWarning, match=r"store on 0\.0\.0\.0:\d+ has no token.*"
+                                         r"GPUCOLL_STORE_TOKEN") as record:
+        with TCPStore("0.0.0.0", 0, is_server=True, timeout=10):
+            with TCPStore("0.0.0.0", 0, is_server=True, timeout=10):
+                pass
+    assert len([w for w in record if "no token" in str(w.message)]) == 1
+
+
+@pytest.mark.parametrize("host, token", [("127.0.0.1", None), ("0.0.0.0", "s3cret")])
+def test_a_loopback_store_or_one_with_a_token_does_not_warn(fresh_warning, monkeypatch, host,
+                                                              token):
+    import warnings
+
+    monkeypatch.delenv("GPUCOLL_STORE_TOKEN", raising=False)
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")
+        with TCPStore(host, 0, is_server=True, timeout=10, token=token):
+            pass
+
+
+def test_the_store_command_warns_when_open_without_a_token():
+    env = {k: v for k, v in os.environ.items() if k != "GPUCOLL_STORE_TOKEN"}
+    proc = subprocess.Popen([sys.executable, "-m", "gpucoll", "store", "--host", "0.0.0.0",
+                             "--port", "0"], stdout=subprocess.PIPE, stderr=subprocess.PIPE,
+                            text=True, env=env)
+    try:
+        assert "serving" in proc.stdout.readline()
+    finally:
+        proc.terminate()
+        _, err = proc.communicate(timeout=20)
+    assert "has no token" in err

@@ -16,6 +16,7 @@ import dataclasses
 import errno
 import heapq
 import hmac
+import ipaddress
 import itertools
 import logging
 import resource
@@ -24,6 +25,7 @@ import socket
 import struct
 import threading
 import time
+import warnings
 from typing import Any
 
 from gpucoll.errors import FrameError, StoreError
@@ -52,6 +54,7 @@ log = logging.getLogger("gpucoll.store")
 ZEROED_RESERVE = 64 << 20
 # a paused client is read again once its unsent replies fall to this fraction of the limit
 _RESUME_AT = 0.5
+_warned_open = False  # a store without a token reachable from other hosts: said once
 
 
 @dataclasses.dataclass(frozen=True)
@@ -120,6 +123,22 @@ class Poller:
         close = getattr(self._p, "close", None)
         if close is not None:
             close()
+
+
+def _warn_if_open(address: str, port: int) -> None:
+    """Say once per process that a store without a token listens where other hosts reach it."""
+    global _warned_open
+    try:
+        if _warned_open or ipaddress.ip_address(address.partition("%")[0]).is_loopback:
+            return
+    except ValueError:
+        pass
+    _warned_open = True
+    shown = f"[{address}]" if ":" in address else address
+    warnings.warn(f"gpucoll store on {shown}:{port} has no token: anyone who can reach this "
+                  f"port can read and change its keys. Set GPUCOLL_STORE_TOKEN (or token=) on "
+                  f"the server and on every rank, or listen on a loopback address.",
+                  UserWarning, stacklevel=4)
 
 
 def listen(host: str, port: int) -> socket.socket:
@@ -239,6 +258,8 @@ class StoreServer:
         self._listener = listen(host, port)
         self.host = host
         self.port = self._listener.getsockname()[1]
+        if not self._token:
+            _warn_if_open(self._listener.getsockname()[0], self.port)
         self._wake_r, self._wake_w = socket.socketpair()
         self._poller = Poller()
         self._poller.register(self._listener.fileno(), self._poller.IN)
