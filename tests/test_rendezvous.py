@@ -235,6 +235,7 @@ def test_rank_1_started_first_waits_for_rank_0():
     assert got == [b"x"]
 
 
+@pytest.mark.filterwarnings("ignore:gpucoll store on .* has no token")
 def test_rank_0_on_a_named_host_listens_everywhere_and_reports_that_name():
     rdv = Rendezvous(0, 2, 0, 1, "localhost.", 0, False, None, "gpucoll")
     with connect_store(rdv, timeout=20) as store:

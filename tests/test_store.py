@@ -275,6 +275,7 @@ def test_context_manager_closes_the_server():
         TCPStore("127.0.0.1", port, timeout=0.3)
 
 
+@pytest.mark.filterwarnings("ignore:gpucoll store on .* has no token")
 def test_server_on_the_wildcard_address_is_its_own_client():
     with TCPStore("0.0.0.0", 0, is_server=True, timeout=5) as s:
         s.set("k", b"v")
