@@ -141,6 +141,29 @@ class TCPStore:
         """Remove ``key``; True if it was there."""
         return self._call(Op.DELETE, [_key(key)], None, f"delete_key({key!r})")[0] == b"1"
 
+    def delete_prefix(self, prefix: str) -> int:
+        """Remove every key that starts with ``prefix`` (one request); how many there were."""
+        if not isinstance(prefix, str):
+            raise TypeError(f"delete_prefix: prefix must be a str, got {type(prefix).__name__}")
+        if not prefix:
+            raise ValueError("delete_prefix: an empty prefix would delete every key in the "
+                             "store, of every job using it")
+        what = f"delete_prefix({prefix!r})"
+        return int(self._call(Op.DELETE_PREFIX, [prefix.encode()], None, what)[0])
+
+    # ----------------------------------------------------------------- last wills
+    def set_will(self, key: str, value: bytes | str) -> None:
+        """Leave ``key := value`` to be set by the server when this store's connection ends,
+        for any reason (``close()``, the process dying, a broken network), waking whoever
+        waits for ``key``, unless ``clear_will(key)`` comes first. A round trip: the will is
+        registered when this returns. One will per key; another ``set_will`` replaces it."""
+        what = f"set_will({key!r})"
+        self._call(Op.SET_WILL, [_key(key), self._value(value, what)], None, what)
+
+    def clear_will(self, key: str) -> bool:
+        """Withdraw this connection's will for ``key``; True if there was one."""
+        return self._call(Op.CLEAR_WILL, [_key(key)], None, f"clear_will({key!r})")[0] == b"1"
+
     # ----------------------------------------------------------------- reads
     def get(self, key: str, timeout: float | None = None) -> bytes:
         """The value of ``key``, waiting (server-side) until it is set or the deadline."""
@@ -160,6 +183,15 @@ class TCPStore:
     def check(self, keys: Sequence[str]) -> bool:
         """True if every key in ``keys`` is set (never waits for them)."""
         return self._call(Op.CHECK, _keys(keys, "check"), None, "check")[0] == b"1"
+
+    def peek(self, keys: Sequence[str]) -> list[bytes | None]:
+        """The value of each of ``keys`` now, None for those not set (never waits)."""
+        ks = _keys(keys, "peek")
+        if not ks:
+            return []
+        mask, *values = self._call(Op.PEEK, ks, None, "peek")
+        found = iter(values)
+        return [next(found) if bit == 0x31 else None for bit in mask]
 
     def num_keys(self) -> int:
         """How many keys the store holds (all namespaces)."""

@@ -60,6 +60,10 @@ class Op(enum.IntEnum):
     NUM_KEYS = 9
     MULTI_GET = 10
     MULTI_SET = 11
+    SET_WILL = 12  # key, value: set key := value when this connection ends, unless cleared
+    CLEAR_WILL = 13
+    PEEK = 14  # keys -> a presence byte per key (b"1"/b"0"), then the present keys' values
+    DELETE_PREFIX = 15
 
 
 class Status(enum.IntEnum):

@@ -209,7 +209,7 @@ def park_request(frame: Frame) -> tuple[bytes, float]:
 
 class _Conn:
     __slots__ = ("sock", "fd", "peer", "reader", "out", "queued", "paused", "backlog",
-                 "authed", "closing", "closed", "waiters")
+                 "authed", "closing", "closed", "waiters", "wills")
 
     def __init__(self, sock: socket.socket, peer: str, reader: FrameReader):
         self.sock = sock
@@ -224,6 +224,7 @@ class _Conn:
         self.closing = False
         self.closed = False
         self.waiters: set[Waiter] = set()
+        self.wills: dict[bytes, bytes] = {}  # key -> value to set when the connection ends
 
     @property
     def done(self) -> bool:
@@ -268,6 +269,8 @@ class StoreServer:
             Op.SET: self._op_set, Op.MULTI_SET: self._op_multi_set, Op.ADD: self._op_add,
             Op.COMPARE_SET: self._op_compare_set, Op.CHECK: self._op_check,
             Op.DELETE: self._op_delete, Op.NUM_KEYS: self._op_num_keys,
+            Op.SET_WILL: self._op_set_will, Op.CLEAR_WILL: self._op_clear_will,
+            Op.PEEK: self._op_peek, Op.DELETE_PREFIX: self._op_delete_prefix,
         }
         self._thread = threading.Thread(target=self._run, name=f"gpucoll-store:{self.port}",
                                         daemon=True)
@@ -375,6 +378,9 @@ class StoreServer:
         for w in list(conn.waiters):
             self._retire(w)
         self._conns.pop(conn.fd, None)
+        if conn.wills and not self._stop:  # its last wills: whoever waits on them wakes
+            for key, value in conn.wills.items():
+                self._put(key, value)
         try:
             self._poller.unregister(conn.fd)
         except (KeyError, ValueError, OSError):
@@ -582,6 +588,34 @@ class StoreServer:
 
     def _op_num_keys(self, conn: _Conn, frame: Frame, args: list[bytes]) -> None:
         self._reply(conn, Status.OK, frame.rid, [str(len(self._data)).encode()])
+
+    def _op_set_will(self, conn: _Conn, frame: Frame, args: list[bytes]) -> None:
+        _expect_args(frame, args, 2)
+        self._check_value(args[1], frame.rid)
+        conn.wills[bytes(args[0])] = bytes(args[1])
+        self._reply(conn, Status.OK, frame.rid, [])
+
+    def _op_clear_will(self, conn: _Conn, frame: Frame, args: list[bytes]) -> None:
+        _expect_args(frame, args, 1)
+        found = conn.wills.pop(args[0], None) is not None
+        self._reply(conn, Status.OK, frame.rid, [b"1" if found else b"0"])
+
+    def _op_peek(self, conn: _Conn, frame: Frame, args: list[bytes]) -> None:
+        values = [self._data.get(k) for k in args]
+        present = [v for v in values if v is not None]
+        if sum(map(len, present)) + 4 * len(args) + len(args) + 4 > MAX_PAYLOAD:
+            raise FrameError("peek: the values do not fit in one reply; ask for fewer keys",
+                             frame.rid, fatal=False)
+        mask = bytes(0x30 + (v is not None) for v in values)  # b"1" present, b"0" missing
+        self._reply(conn, Status.OK, frame.rid, [mask, *present])
+
+    def _op_delete_prefix(self, conn: _Conn, frame: Frame, args: list[bytes]) -> None:
+        _expect_args(frame, args, 1)
+        prefix = args[0]
+        doomed = [k for k in self._data if k.startswith(prefix)]
+        for k in doomed:
+            del self._data[k]
+        self._reply(conn, Status.OK, frame.rid, [str(len(doomed)).encode()])
 
     # ----------------------------------------------------------------- parked requests
     def _op_park(self, conn: _Conn, frame: Frame) -> None:
