@@ -14,6 +14,7 @@ import socket
 import struct
 import threading
 import time
+import weakref
 from collections.abc import Sequence
 
 from gpucoll.errors import StoreError, StoreTimeout
@@ -203,6 +204,8 @@ class TCPStore:
         if self._closed:
             return
         self._closed = True
+        if self._conn.inherited:
+            return  # a forked child's copy: the connection and server are the parent's
         if self._conn.unconfirmed:
             # a round trip, so the sets just sent are applied before the connection goes
             try:
@@ -296,6 +299,17 @@ def parse_address(address: str) -> tuple[str, int]:
 
 
 # ----------------------------------------------------------------- the connection
+_LIVE: weakref.WeakSet = weakref.WeakSet()  # connections of this process, for fork handling
+
+
+def _drop_inherited() -> None:
+    """In a forked child (a data loader, say): close the parent's store connections, so that
+    the parent's death still ends them (firing its wills) and the child cannot use them."""
+    for conn in list(_LIVE):
+        conn.drop_inherited()
+
+
+os.register_at_fork(after_in_child=_drop_inherited)
 
 
 class _Slot:
@@ -323,7 +337,10 @@ class Connection:
         self._pending: dict[int, _Slot] = {}
         self._next_rid = 1
         self._reading = False
+        self._closing = False  # close() was called while a thread read: it closes the socket
         self._error: str | None = None
+        self._pid = os.getpid()
+        _LIVE.add(self)
         self.unconfirmed = False  # a fire-and-forget request was sent since the last reply
         hello = [VERSION, (token or "").encode()]
         try:
@@ -337,10 +354,15 @@ class Connection:
                              f"{_text(args)}")
         self.max_value_bytes = int(args[0])
 
+    @property
+    def inherited(self) -> bool:
+        """True in a process forked from the one that made this connection."""
+        return self._pid != os.getpid()
+
     def post(self, bufs: list[bytes], what: str) -> None:
         """Send an encoded request that gets no reply on success (a failure breaks the
         connection, reported by the next call)."""
-        if self._error is not None:
+        if self._pid != os.getpid() or self._error is not None:
             self._raise_if_broken(what)
         self.unconfirmed = True
         self._send(bufs, what)
@@ -348,6 +370,8 @@ class Connection:
     def request(self, op: int, args: list[bytes], deadline: float,
                 what: str) -> tuple[int, list[bytes]]:
         """Send a request and wait for its reply until ``deadline`` (monotonic seconds)."""
+        if self._pid != os.getpid():  # before any lock: a parent's thread may have held it
+            self._raise_if_broken(what)
         slot = _Slot()
         with self._lock:
             if self._error is not None:
@@ -371,25 +395,50 @@ class Connection:
                     self._reading = False
                     if self._pending:
                         self._cond.notify_all()
+                last = reader and self._closing
+            if last:
+                self._close_socket()
         return slot.reply
 
     def close(self) -> None:
         """Break the connection; threads still waiting on it get a StoreError at once."""
+        if self.inherited:
+            return  # the parent's: drop_inherited closed this process's copy
         with self._cond:
             if self._error is None:
                 self._error = f"connection to store at {self.address} is closed"
             self._cond.notify_all()
+            self._closing = True
+            reading = self._reading
         try:
-            self._sock.shutdown(socket.SHUT_RDWR)  # wakes a thread blocked in recv
+            self._sock.shutdown(socket.SHUT_RDWR)  # wakes a thread blocked in recv or send
         except OSError:
             pass
-        self._sock.close()
-        self._reader.close()  # the socket's descriptor goes with its last file object
+        if not reading:  # else the reading thread closes it once out of its recv: the
+            self._close_socket()  # descriptor's number must not be reused under that recv
+
+    def drop_inherited(self) -> None:
+        """In a forked child: close this process's copy of the socket without a word to the
+        server (the parent's connection stays up, and still ends when the parent ends), and
+        touch no lock (a thread of the parent may have held one at the fork)."""
+        self._error = (f"this connection to the store at {self.address} was inherited across "
+                       f"fork() from process {self._pid}: a forked child must make a TCPStore "
+                       f"of its own")
+        try:
+            self._sock.close()
+        except OSError:
+            pass
 
     # ----------------------------------------------------------------- internals
     def _raise_if_broken(self, what: str) -> None:
+        if self._pid != os.getpid() and self._error is None:  # forked without the fork hook
+            self.drop_inherited()
         if self._error is not None:
             raise StoreError(f"{what}: {self._error}")
+
+    def _close_socket(self) -> None:
+        with self._send_lock:  # a sender woken by the shutdown lets go of it at once
+            self._sock.close()
 
     def _broken(self, message: str) -> None:
         with self._cond:
@@ -403,7 +452,7 @@ class Connection:
                 _send_all(self._sock, bufs)
             except OSError as exc:
                 # a partly written frame leaves the stream unusable
-                self._broken(f"lost connection to store at {self.address} ({exc!r})")
+                self._broken(f"lost the connection to the store at {self.address} ({exc!r})")
                 self._raise_if_broken(what)
 
     def _await(self, slot: _Slot, deadline: float, what: str) -> None:
@@ -427,6 +476,9 @@ class Connection:
                 with self._cond:
                     self._reading = False
                     self._cond.notify_all()
+                    last = self._closing
+                if last:
+                    self._close_socket()
 
     def _read_until(self, slot: _Slot, deadline: float, what: str) -> None:
         def tick() -> None:
@@ -446,15 +498,15 @@ class Connection:
                 frame = self._reader.read_frame(tick)
             except StoreTimeout:
                 if self._reader.torn:  # the rest of a reply is still on its way: unusable
-                    self._broken(f"lost connection to store at {self.address} (a reply "
+                    self._broken(f"lost the connection to the store at {self.address} (a reply "
                                  f"stalled halfway past the deadline)")
                 raise
             except (OSError, ValueError) as exc:  # ValueError: FrameError, or closed
-                self._broken(f"lost connection to store at {self.address} ({exc!r})")
+                self._broken(f"lost the connection to the store at {self.address} ({exc!r})")
                 self._raise_if_broken(what)
             if frame is None:
-                self._broken(f"lost connection to store at {self.address} "
-                             f"(the server closed it)")
+                self._broken(f"lost the connection to the store at {self.address}: the server "
+                             f"closed it (the process hosting the store ended or closed it)")
                 self._raise_if_broken(what)
             self._deliver(frame, slot, what)
 

@@ -270,13 +270,19 @@ class FrameReader:
 class ReplyReader:
     """Reads reply frames from ``sock`` (blocking, with a kernel receive timeout: SO_RCVTIMEO).
 
+    Each receive takes exactly the bytes the frame needs next (its header, then its payload, or
+    a large frame's argument table and then each argument), so a value is received straight
+    into the ``bytes`` object handed to the caller: no read-ahead buffer to copy out of, and no
+    lock (a buffered reader's lock, held by a thread blocked in a read when the process forks,
+    would stay held for good in the child).
+
     Whenever a receive times out, ``tick()`` is called; it raises once the caller's deadline
     has passed and may shorten the next receive's timeout. ``torn`` is True while a frame has
     been started but not finished: a deadline then leaves the stream unusable.
     """
 
     def __init__(self, sock: socket.socket):
-        self._file = sock.makefile("rb", buffering=RECV_CHUNK)
+        self._sock = sock
         self.torn = False
 
     def read_frame(self, tick: Callable[[], None]) -> tuple[int, int, list[bytes]] | None:
@@ -310,25 +316,25 @@ class ReplyReader:
         self.torn = False
         return code, rid, args
 
-    def close(self) -> None:
-        """Release the socket's file object (waits for a read in progress to return)."""
-        self._file.close()
-
     def _exact(self, n: int, tick: Callable[[], None]) -> bytes | None:
         """Exactly ``n`` bytes, or None at end of stream."""
-        data = self._file.read(n)
-        if data is not None and len(data) == n:
-            return data  # the common case: one call
+        if n == 0:
+            return b""
         parts: list[bytes] = []
         got = 0
         while True:
+            try:
+                data = self._sock.recv(n - got, socket.MSG_WAITALL)
+            except (BlockingIOError, InterruptedError):  # the kernel's receive timeout
+                data = None
             if data is not None:
                 if not data:
                     return None
+                if len(data) == n:
+                    return data  # the common case: one call
                 parts.append(data)
                 got += len(data)
                 if got == n:
                     return b"".join(parts)
                 self.torn = True
             tick()  # the receive timed out (or came up short): is there time left?
-            data = self._file.read(n - got)

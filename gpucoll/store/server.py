@@ -19,6 +19,7 @@ import hmac
 import ipaddress
 import itertools
 import logging
+import os
 import resource
 import select
 import socket
@@ -26,6 +27,7 @@ import struct
 import threading
 import time
 import warnings
+import weakref
 from typing import Any
 
 from gpucoll.errors import FrameError, StoreError
@@ -55,6 +57,17 @@ ZEROED_RESERVE = 64 << 20
 # a paused client is read again once its unsent replies fall to this fraction of the limit
 _RESUME_AT = 0.5
 _warned_open = False  # a store without a token reachable from other hosts: said once
+_LIVE: weakref.WeakSet = weakref.WeakSet()  # servers of this process, for fork handling
+
+
+def _drop_inherited() -> None:
+    """In a forked child: close the copies of every server socket, so that clients still see
+    the server go when the process hosting it ends, however long the child lives."""
+    for server in list(_LIVE):
+        server.drop_inherited()
+
+
+os.register_at_fork(after_in_child=_drop_inherited)
 
 
 @dataclasses.dataclass(frozen=True)
@@ -274,6 +287,7 @@ class StoreServer:
         }
         self._thread = threading.Thread(target=self._run, name=f"gpucoll-store:{self.port}",
                                         daemon=True)
+        _LIVE.add(self)
         self._thread.start()
 
     def close(self, timeout: float = 10.0) -> None:
@@ -287,6 +301,19 @@ class StoreServer:
             pass
         self._thread.join(timeout)
         self._wake_w.close()
+
+    def drop_inherited(self) -> None:
+        """In a forked child (where the loop's thread does not exist): close this process's
+        copies of the listener and every connection, telling nobody."""
+        self._stop = True
+        socks = [self._listener, self._wake_r, self._wake_w]
+        socks += [conn.sock for conn in self._conns.values()]
+        for sock in socks:
+            try:
+                sock.close()
+            except OSError:
+                pass
+        self._poller.close()
 
     def serve_forever(self) -> None:
         """Block the calling thread until the server stops (the standalone command)."""
