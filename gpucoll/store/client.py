@@ -362,7 +362,7 @@ class Connection:
     def post(self, bufs: list[bytes], what: str) -> None:
         """Send an encoded request that gets no reply on success (a failure breaks the
         connection, reported by the next call)."""
-        if self._pid != os.getpid() or self._error is not None:
+        if self._error is not None:
             self._raise_if_broken(what)
         self.unconfirmed = True
         self._send(bufs, what)
@@ -370,8 +370,8 @@ class Connection:
     def request(self, op: int, args: list[bytes], deadline: float,
                 what: str) -> tuple[int, list[bytes]]:
         """Send a request and wait for its reply until ``deadline`` (monotonic seconds)."""
-        if self._pid != os.getpid():  # before any lock: a parent's thread may have held it
-            self._raise_if_broken(what)
+        if self._error is not None:  # before any lock: in a forked child (where the fork
+            self._raise_if_broken(what)  # hook set the error) a parent's thread may hold it
         slot = _Slot()
         with self._lock:
             if self._error is not None:
@@ -431,8 +431,6 @@ class Connection:
 
     # ----------------------------------------------------------------- internals
     def _raise_if_broken(self, what: str) -> None:
-        if self._pid != os.getpid() and self._error is None:  # forked without the fork hook
-            self.drop_inherited()
         if self._error is not None:
             raise StoreError(f"{what}: {self._error}")
 
