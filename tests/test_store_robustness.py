@@ -235,6 +235,18 @@ def test_nothing_listening_times_out_naming_the_address():
         reserved.close()
 
 
+def test_both_ends_of_a_connection_probe_a_silent_peer_with_keepalives(store_server):
+    from gpucoll.store.protocol import KEEPALIVE
+
+    with TCPStore("127.0.0.1", store_server.port, timeout=10) as c:
+        c.add("sync", 1)  # the server has accepted it by now
+        server_side = [conn.sock for conn in store_server._server._conns.values()]
+        for sock in [c._conn._sock, *server_side]:
+            assert sock.getsockopt(socket.SOL_SOCKET, socket.SO_KEEPALIVE) == 1
+            assert sock.getsockopt(socket.IPPROTO_TCP, socket.TCP_KEEPIDLE) == KEEPALIVE[0]
+            assert sock.getsockopt(socket.IPPROTO_TCP, socket.TCP_KEEPCNT) == KEEPALIVE[2]
+
+
 def test_connection_that_never_says_hello_is_dropped():
     from gpucoll.store import StoreLimits
     from gpucoll.store.server import StoreServer

@@ -28,6 +28,7 @@ from gpucoll.store.protocol import (
     ReplyReader,
     Status,
     encode,
+    keep_alive,
     pack_timeout,
     unsent,
 )
@@ -571,6 +572,7 @@ def _connect_once(host: str, port: int, timeout: float) -> socket.socket:
             _set_timeo(sock, socket.SO_SNDTIMEO, timeout)
             sock.connect(addr)
             sock.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
+            keep_alive(sock)
             return sock
         except OSError as exc:
             sock.close()

@@ -43,6 +43,9 @@ BIG_ARG = 64 << 10
 MAX_IOV = 512
 # one readable event reads at most this much of a large frame: other clients get their turn
 _FILL_PER_EVENT = 16 << 20
+# a silent peer (host gone, network cut) is found within about idle + interval * count seconds
+KEEPALIVE = (10, 5, 3)
+_USER_TIMEOUT_MS = 30_000  # data unacknowledged this long breaks the connection
 # frames this large are received into anonymous memory of their own rather than a bytearray:
 # malloc maps such sizes fresh anyway, and a bytearray would also zero every page first
 _MAP_FROM = 32 << 20
@@ -159,6 +162,20 @@ def decode_args(frame: Frame, views: bool = False) -> list[bytes]:
         return [view[a:b] if b - a >= BIG_ARG else bytes(view[a:b])
                 for a, b in itertools.pairwise(offsets)]
     return [bytes(view[a:b]) for a, b in itertools.pairwise(offsets)]
+
+
+def keep_alive(sock: socket.socket) -> None:
+    """TCP keepalive and a send timeout on a store connection, so that a peer whose host or
+    network vanished is noticed (its wills fire, its server's clients fail) in half a minute
+    rather than the kernel's two hours."""
+    sock.setsockopt(socket.SOL_SOCKET, socket.SO_KEEPALIVE, 1)
+    if hasattr(socket, "TCP_KEEPIDLE"):  # Linux; elsewhere the system's defaults apply
+        idle, interval, count = KEEPALIVE
+        sock.setsockopt(socket.IPPROTO_TCP, socket.TCP_KEEPIDLE, idle)
+        sock.setsockopt(socket.IPPROTO_TCP, socket.TCP_KEEPINTVL, interval)
+        sock.setsockopt(socket.IPPROTO_TCP, socket.TCP_KEEPCNT, count)
+    if hasattr(socket, "TCP_USER_TIMEOUT"):
+        sock.setsockopt(socket.IPPROTO_TCP, socket.TCP_USER_TIMEOUT, _USER_TIMEOUT_MS)
 
 
 def pack_timeout(seconds: float) -> bytes:

@@ -47,6 +47,7 @@ from gpucoll.store.protocol import (
     decode_args,
     encode,
     encode_payload,
+    keep_alive,
     unsent,
 )
 
@@ -389,6 +390,7 @@ class StoreServer:
                 return
             sock.setblocking(False)
             sock.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
+            keep_alive(sock)
             reader = FrameReader(self.limits.hello_bytes, self._reserve)
             conn = _Conn(sock, f"{addr[0]}:{addr[1]}", reader)
             self._conns[conn.fd] = conn
