@@ -72,8 +72,10 @@ def test_a_second_will_for_the_same_key_replaces_the_first(store_server):
 def test_a_will_overwrites_a_value_set_meanwhile(store_server):
     with TCPStore("127.0.0.1", store_server.port, timeout=10) as c:
         c.set_will("state", b"died")
+        c.set_will("fired", b"1")  # a connection's wills fire together, in order
         store_server.set("state", b"running")
-    assert store_server.get("state", timeout=10) == b"died"
+    assert store_server.get("fired", timeout=10) == b"1"
+    assert store_server.get("state") == b"died"
 
 
 def test_wills_belong_to_their_connection_only(store_server, client):
