@@ -143,7 +143,7 @@ class TCPStore:
         """Remove ``key``; True if it was there."""
         return self._call(Op.DELETE, [_key(key)], None, f"delete_key({key!r})")[0] == b"1"
 
-    def delete_prefix(self, prefix: str) -> int:
+    def delete_prefix(self, prefix: str, *, timeout: float | None = None) -> int:
         """Remove every key that starts with ``prefix`` (one request); how many there were."""
         if not isinstance(prefix, str):
             raise TypeError(f"delete_prefix: prefix must be a str, got {type(prefix).__name__}")
@@ -151,20 +151,21 @@ class TCPStore:
             raise ValueError("delete_prefix: an empty prefix would delete every key in the "
                              "store, of every job using it")
         what = f"delete_prefix({prefix!r})"
-        return int(self._call(Op.DELETE_PREFIX, [prefix.encode()], None, what)[0])
+        return int(self._call(Op.DELETE_PREFIX, [prefix.encode()], timeout, what)[0])
 
     # ----------------------------------------------------------------- last wills
-    def set_will(self, key: str, value: bytes | str) -> None:
+    def set_will(self, key: str, value: bytes | str, *, timeout: float | None = None) -> None:
         """Leave ``key := value`` to be set by the server when this store's connection ends,
         for any reason (``close()``, the process dying, a broken network), waking whoever
         waits for ``key``, unless ``clear_will(key)`` comes first. A round trip: the will is
         registered when this returns. One will per key; another ``set_will`` replaces it."""
         what = f"set_will({key!r})"
-        self._call(Op.SET_WILL, [_key(key), self._value(value, what)], None, what)
+        self._call(Op.SET_WILL, [_key(key), self._value(value, what)], timeout, what)
 
-    def clear_will(self, key: str) -> bool:
+    def clear_will(self, key: str, *, timeout: float | None = None) -> bool:
         """Withdraw this connection's will for ``key``; True if there was one."""
-        return self._call(Op.CLEAR_WILL, [_key(key)], None, f"clear_will({key!r})")[0] == b"1"
+        what = f"clear_will({key!r})"
+        return self._call(Op.CLEAR_WILL, [_key(key)], timeout, what)[0] == b"1"
 
     # ----------------------------------------------------------------- reads
     def get(self, key: str, timeout: float | None = None) -> bytes:
@@ -186,12 +187,13 @@ class TCPStore:
         """True if every key in ``keys`` is set (never waits for them)."""
         return self._call(Op.CHECK, _keys(keys, "check"), None, "check")[0] == b"1"
 
-    def peek(self, keys: Sequence[str]) -> list[bytes | None]:
-        """The value of each of ``keys`` now, None for those not set (never waits)."""
+    def peek(self, keys: Sequence[str], *, timeout: float | None = None) -> list[bytes | None]:
+        """The value of each of ``keys`` now, None for those not set (never waits for them;
+        ``timeout`` bounds the round trip)."""
         ks = _keys(keys, "peek")
         if not ks:
             return []
-        mask, *values = self._call(Op.PEEK, ks, None, "peek")
+        mask, *values = self._call(Op.PEEK, ks, timeout, "peek")
         found = iter(values)
         return [next(found) if bit == 0x31 else None for bit in mask]
 
@@ -227,6 +229,8 @@ class TCPStore:
 
     def _call(self, op: int, args: list[bytes], timeout: float | None,
               what: str) -> list[bytes]:
+        if timeout is not None:
+            _check_timeout(timeout, "timeout")
         deadline = time.monotonic() + (self.timeout if timeout is None else timeout)
         status, reply = self._conn.request(op, args, deadline, what)
         if status:
