@@ -7,6 +7,7 @@ import contextlib
 import socket
 import subprocess
 import sys
+from typing import NamedTuple
 
 from gpucoll.store import parse_address
 from gpucoll.store.protocol import HEADER, VERSION, Frame, Op, encode
@@ -63,16 +64,22 @@ def rss_bytes(pid: int) -> int:
     raise RuntimeError(f"no VmRSS for process {pid}")
 
 
+class Standalone(NamedTuple):
+    proc: subprocess.Popen
+    port: int
+    banner: str  # the line it printed when it started
+
+
 @contextlib.contextmanager
 def standalone_store(*args: str):
     """A ``gpucoll store`` process on 127.0.0.1 (any free port) with extra CLI ``args``;
-    yields (process, port) and stops it afterwards whatever happened."""
+    yields a Standalone and stops the process afterwards whatever happened."""
     proc = subprocess.Popen([sys.executable, "-m", "gpucoll", "store", "--host", "127.0.0.1",
                              "--port", "0", *args], stdout=subprocess.PIPE, text=True)
     try:
         line = proc.stdout.readline()
         assert "serving" in line, f"store did not start: {line!r}"
-        yield proc, parse_address(line.split()[3])[1]
+        yield Standalone(proc, parse_address(line.split()[3])[1], line)
     finally:
         if proc.poll() is None:
             proc.terminate()

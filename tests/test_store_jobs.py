@@ -53,7 +53,7 @@ def long_lived(request, store_server):
     if request.param == "TCPStore server":
         yield f"tcp://127.0.0.1:{store_server.port}", store_server
         return
-    with standalone_store() as (_, port):
+    with standalone_store() as (_, port, _):
         with TCPStore("127.0.0.1", port, timeout=30) as client:
             yield f"tcp://127.0.0.1:{port}", client
 

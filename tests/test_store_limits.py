@@ -42,7 +42,7 @@ def get_request(rid: int, key: bytes) -> bytes:
 # ----------------------------------------------------------------------------- before the hello
 @pytest.mark.parametrize("length", [64 << 10, 0xFFFFFFF0])
 def test_a_huge_length_before_the_hello_is_refused_without_allocating(length):
-    with standalone_store("--token", "tok") as (proc, port):
+    with standalone_store("--token", "tok") as (proc, port, _):
         before = rss_bytes(proc.pid)
         socks = [raw_connect(port) for _ in range(300)]
         for sock in socks:
@@ -72,7 +72,7 @@ def test_a_longer_hello_limit_admits_a_longer_token():
 
 # ----------------------------------------------------------------------------- after the hello
 def test_headers_of_large_frames_alone_do_not_make_the_server_allocate():
-    with standalone_store() as (proc, port):
+    with standalone_store() as (proc, port, _):
         before = rss_bytes(proc.pid)
         socks = [raw_connect(port) for _ in range(24)]
         for sock in socks:
@@ -88,7 +88,7 @@ def test_headers_of_large_frames_alone_do_not_make_the_server_allocate():
 
 
 def test_a_client_that_never_reads_its_replies_is_throttled_at_bounded_memory():
-    with standalone_store("--max-buffered-bytes", str(4 * MiB)) as (proc, port):
+    with standalone_store("--max-buffered-bytes", str(4 * MiB)) as (proc, port, _):
         with TCPStore("127.0.0.1", port, timeout=30) as writer:
             writer.set("blob", b"b" * (200 << 10))  # each reply a copy of 200 KiB
             writer.add("count", 0)
@@ -135,7 +135,7 @@ def test_a_slow_reader_that_catches_up_gets_every_reply_in_order():
 
 
 def test_replies_to_many_parked_requests_share_their_payload():
-    with standalone_store() as (proc, port):
+    with standalone_store() as (proc, port, _):
         sock = raw_connect(port)
         assert hello(sock).code == Status.OK
         sock.sendall(b"".join(get_request(rid, b"later") for rid in range(2, 2002)))
@@ -188,7 +188,7 @@ def test_store_command_refuses_a_bad_limit():
 
 
 def test_limits_can_be_set_on_the_store_command():
-    with standalone_store("--max-hello-bytes", "128") as (_, port):
+    with standalone_store("--max-hello-bytes", "128") as (_, port, _):
         sock = raw_connect(port)
         sock.sendall(HEADER.pack(200, Op.HELLO, 1, 2))
         assert b"exceeds the limit of 128" in decode_args(read_frame(sock))[0]

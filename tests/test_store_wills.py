@@ -14,13 +14,6 @@ from tests.multiproc import spawn
 from tests.store_wire import closed_by_server, hello, raw_connect, read_frame
 
 
-@pytest.fixture
-def client(store_server):
-    c = TCPStore("127.0.0.1", store_server.port, timeout=30.0)
-    yield c
-    c.close()
-
-
 def test_a_will_is_set_when_its_client_closes(store_server):
     with TCPStore("127.0.0.1", store_server.port, timeout=10) as c:
         c.set_will("gone/3", b"died")
@@ -28,12 +21,12 @@ def test_a_will_is_set_when_its_client_closes(store_server):
     assert store_server.get("gone/3", timeout=10) == b"died"
 
 
-def test_a_will_wakes_a_client_waiting_for_its_key(store_server, client):
+def test_a_will_wakes_a_client_waiting_for_its_key(store_server):
     got = []
     waiter = threading.Thread(target=lambda: got.append(store_server.get("gone/0", timeout=30)))
     waiter.start()
-    client.set_will("gone/0", "died")
-    client.close()
+    with TCPStore("127.0.0.1", store_server.port, timeout=10) as c:
+        c.set_will("gone/0", "died")
     waiter.join(40)
     assert got == [b"died"]
 
@@ -78,11 +71,12 @@ def test_a_will_overwrites_a_value_set_meanwhile(store_server):
     assert store_server.get("state") == b"died"
 
 
-def test_wills_belong_to_their_connection_only(store_server, client):
-    client.set_will("mine", b"x")
-    with TCPStore("127.0.0.1", store_server.port, timeout=10) as other:
-        assert other.clear_will("mine") is False
-    assert not store_server.check(["mine"])
+def test_wills_belong_to_their_connection_only(store_server):
+    with TCPStore("127.0.0.1", store_server.port, timeout=10) as mine:
+        mine.set_will("mine", b"x")
+        with TCPStore("127.0.0.1", store_server.port, timeout=10) as other:
+            assert other.clear_will("mine") is False
+        assert not store_server.check(["mine"])
 
 
 def test_a_will_of_a_connection_dropped_for_a_bad_frame_still_fires(store_server):
