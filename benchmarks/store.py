@@ -33,7 +33,7 @@ import sys
 import threading
 import time
 
-from gpucoll.store.netio import raise_fd_limit
+from gpucoll.store.server import raise_fd_limit
 
 HOST = "127.0.0.1"
 

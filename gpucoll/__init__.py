@@ -18,6 +18,8 @@ _EXPORTS = {
     "PeerFailure": "gpucoll.errors",
     "StoreError": "gpucoll.errors",
     "StoreTimeout": "gpucoll.errors",
+    "FrameError": "gpucoll.errors",
+    "RendezvousError": "gpucoll.errors",
     "BackendUnavailable": "gpucoll.errors",
     "UsageError": "gpucoll.errors",
     "ReduceOp": "gpucoll.ops",

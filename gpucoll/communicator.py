@@ -49,6 +49,7 @@ from gpucoll.errors import (
 )
 from gpucoll.progress import KIND
 from gpucoll.signature import SignatureCheck
+from gpucoll.store.gather import leave_group
 from gpucoll.validation import Call, check_timeout
 from gpucoll.work import Work
 
@@ -392,6 +393,8 @@ class Communicator:
                 pass  # the failed call already reported it; closing must still succeed
             self._backend.close()
         finally:
+            if self._store is not None:  # never raises; the last rank out deletes the keys
+                leave_group(self._store, self.rank, self.size)
             if self._owned_store is not None:
                 self._owned_store.close()
 

@@ -38,13 +38,18 @@ def init(backend: str = "auto", *, rank: int | None = None, world_size: int | No
 def create(backend: str = "auto", *, rank: int | None = None, world_size: int | None = None,
            store: Any = None, timeout: float | None = None, device: Any = None) -> Communicator:
     """What ``init`` does, without making the result the default communicator."""
+    from gpucoll.store.gather import leave_group
+
     name = requested_name(backend)
     timeout = _timeout(timeout)
     rank, world_size, base, owned = _rendezvous(rank, world_size, store, timeout)
+    space = None
     try:
-        space = _namespace(base, world_size)
+        space = _namespace(base, rank, world_size, timeout)
         engine = create_backend(name, space, rank, world_size, timeout=timeout, device=device)
     except BaseException:
+        if space is not None:  # the others learn that this rank left
+            leave_group(space, rank, world_size)
         if owned is not None:
             owned.close()
         raise
@@ -99,13 +104,13 @@ def _check_rank(rank: Any, world_size: Any) -> None:
                          f"world_size={world_size}")
 
 
-def _namespace(store: Any, world_size: int) -> Any:
-    """A fresh namespace per communicator made on one store: every rank adds 1 to a counter
-    as it joins, so the i-th group of ``world_size`` arrivals is communicator i."""
-    from gpucoll.store import PrefixStore
+def _namespace(store: Any, rank: int, world_size: int, timeout: float) -> Any:
+    """A namespace of ``store`` for this communicator alone, under its job's (the launcher's
+    job id), agreed on by every rank of the group; its keys go when its last rank closes it."""
+    from gpucoll import rendezvous
 
-    arrival = store.add("gpucoll/communicators", 1)
-    return PrefixStore(f"gpucoll/comm{(arrival - 1) // world_size}", store)
+    return rendezvous.join_group(store, rank, world_size, job=rendezvous.job_id(),
+                                 timeout=timeout)
 
 
 def is_initialized() -> bool:

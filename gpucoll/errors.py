@@ -49,6 +49,24 @@ class StoreTimeout(StoreError, TimeoutError):
     """Keys did not appear in the store before the deadline."""
 
 
+class FrameError(StoreError, ValueError):
+    """A store message that breaks the wire format (from a peer that is not a gpucoll store or
+    client, or a damaged stream): ``rid`` is its request id, ``fatal`` when the stream cannot be
+    resynchronised."""
+
+    def __init__(self, message: str, rid: int = 0, fatal: bool = True):
+        super().__init__(message)
+        self.rid = rid
+        self.fatal = fatal
+
+    def __reduce__(self):
+        return (type(self), (str(self), self.rid, self.fatal))
+
+
+class RendezvousError(GpucollError, ValueError):
+    """The environment does not say who this rank is or where the ranks meet."""
+
+
 class BackendUnavailable(GpucollError):
     """The requested backend cannot run here (no CuPy, no NCCL, no device, ...)."""
 
@@ -57,8 +75,10 @@ __all__ = [
     "BackendUnavailable",
     "CollectiveMismatch",
     "CollectiveTimeout",
+    "FrameError",
     "GpucollError",
     "PeerFailure",
+    "RendezvousError",
     "StoreError",
     "StoreTimeout",
     "UsageError",

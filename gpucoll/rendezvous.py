@@ -11,8 +11,13 @@ The store address, from the first of these that is set:
   3. ``MASTER_ADDR`` / ``MASTER_PORT + 1``  (torch.distributed owns ``MASTER_PORT`` itself);
   4. under Slurm, the first host of ``SLURM_JOB_NODELIST``;
   5. ``127.0.0.1`` when every rank is on this host (local world size == world size).
-A port that no variable names is derived from the job id (Slurm, Open MPI, PMIx), so two jobs on
-one host do not collide, else ``DEFAULT_PORT``; a world of one rank uses a free port.
+A port that no variable names is derived from the job id, so two jobs on one host do not
+collide, else ``DEFAULT_PORT``; a world of one rank uses a free port.
+
+``job_id()`` is what every rank of a job shares and other jobs do not (``GPUCOLL_JOB_ID``,
+torchrun's run id and restart count, Slurm's job and step, the MPI job). ``join_group()`` gives
+each new communicator a namespace of its own in the store, under its job's, that every rank of
+the group agrees on, so one long-lived store serves job after job, even after a job that crashed.
 """
 
 from __future__ import annotations
@@ -21,17 +26,17 @@ import dataclasses
 import ipaddress
 import os
 import re
+import threading
+import time
+import uuid
 import zlib
 from collections.abc import Mapping
+from typing import Any
 
-from gpucoll.errors import GpucollError
+from gpucoll.errors import CollectiveTimeout, RendezvousError
 
 DEFAULT_PORT = 29510
 _JOB_PORT_BASE, _JOB_PORT_SPAN = 20000, 12000  # below Linux's ephemeral range (32768+)
-
-
-class RendezvousError(GpucollError, ValueError):
-    """The environment does not say who this rank is or where the ranks meet."""
 
 
 @dataclasses.dataclass(frozen=True)
@@ -47,6 +52,7 @@ class Rendezvous:
     store_is_running: bool  # True: connect to a running store; False: rank 0 hosts it
     token: str | None
     source: str  # which launcher's variables were read: gpucoll torchrun openmpi mpich slurm
+    job_id: str | None = None  # what every rank of this job shares (see job_id())
 
     @property
     def store_address(self) -> str:
@@ -102,7 +108,7 @@ def _read(env: Mapping[str, str], src: _Source) -> Rendezvous:
     _check_ranks(src, rank, size, local_rank, local_size)
     host, port, running = _store_address(env, src.name, size, local_size)
     return Rendezvous(rank, size, local_rank, local_size, host, port, running,
-                      env.get("GPUCOLL_STORE_TOKEN") or None, src.name)
+                      env.get("GPUCOLL_STORE_TOKEN") or None, src.name, job_id(env))
 
 
 def _local(env: Mapping[str, str], src: _Source, rank: int, size: int) -> tuple[int, int]:
@@ -166,7 +172,7 @@ def _store_port(env: Mapping[str, str], size: int) -> int:
         return _port(env, "GPUCOLL_MASTER_PORT", 0)
     if env.get("MASTER_PORT"):
         return _port(env, "MASTER_PORT", 1)
-    job = _job_id(env)
+    job = job_id(env)
     if job is not None:
         return _JOB_PORT_BASE + zlib.crc32(job.encode()) % _JOB_PORT_SPAN
     return 0 if size == 1 else DEFAULT_PORT
@@ -179,8 +185,16 @@ def _port(env: Mapping[str, str], var: str, offset: int) -> int:
     return port
 
 
-def _job_id(env: Mapping[str, str]) -> str | None:
-    """A string every rank of this job (step) shares and other jobs do not."""
+def job_id(environ: Mapping[str, str] | None = None) -> str | None:
+    """A string every rank of this job (step) shares and other jobs do not, from the first of
+    ``GPUCOLL_JOB_ID``, torchrun's ``TORCHELASTIC_RUN_ID`` (with its restart count), Slurm's
+    ``SLURM_JOB_ID`` and ``SLURM_STEP_ID``, ``PMIX_NAMESPACE`` and Open MPI's job id; None when
+    none is set."""
+    env = os.environ if environ is None else environ
+    if env.get("GPUCOLL_JOB_ID"):
+        return env["GPUCOLL_JOB_ID"]
+    if env.get("TORCHELASTIC_RUN_ID"):
+        return f"torchrun:{env['TORCHELASTIC_RUN_ID']}.{env.get('TORCHELASTIC_RESTART_COUNT', '0')}"
     if env.get("SLURM_JOB_ID"):
         return f"slurm:{env['SLURM_JOB_ID']}.{env.get('SLURM_STEP_ID', '')}"
     for var in ("PMIX_NAMESPACE", "OMPI_MCA_ess_base_jobid"):
@@ -290,5 +304,121 @@ def _is_loopback(host: str) -> bool:
         return False
 
 
+# --------------------------------------------------------------------------- a group's namespace
+_next_slot: dict[tuple, int] = {}  # (store, job) -> the first slot this process tries next
+_slot_lock = threading.Lock()
+
+
+def join_group(store: Any, rank: int, size: int, *, job: str | None, timeout: float) -> Any:
+    """The namespace (a PrefixStore) of a new communicator of ``size`` ranks; collective.
+
+    Communicators live in slots ``gpucoll/jobs/<job>/<n>`` of the store. Every rank of a group
+    walks the slots from the one after its last group's and joins the first one fit for it: one
+    where no rank has died or closed yet (a finished group deletes its slot when its last rank
+    closes; a crashed one leaves its keys, marked by the wills of the ranks that died there).
+    Ranks of one job have the same history, so they meet in the same slot. In a slot a rank
+    leaves its will (``Liveness``), claims its rank and waits for the others: a rank that dies
+    meanwhile is a PeerFailure, one that never comes a CollectiveTimeout at ``timeout``. Jobs
+    that use one store at the same time need job ids of their own (``job_id()``).
+    """
+    from gpucoll.store import PrefixStore
+    from gpucoll.store.gather import Liveness, wait_for_ranks
+
+    deadline = time.monotonic() + timeout
+    root = "gpucoll/jobs/" + (job.replace("/", "_") if job else "anonymous")
+    ident = (_identity(store), root)
+    with _slot_lock:
+        n = _next_slot.get(ident, 0)
+    skipped = []
+    space = PrefixStore(f"{root}/{n}", store)
+    while not _fit(space, rank, size):
+        skipped.append(n)
+        n += 1
+        space = PrefixStore(f"{root}/{n}", store)
+    live = Liveness(space, rank, size)  # the will first: no claim outlives its process
+    try:
+        theirs = space.compare_set("size", "", str(size))
+        if int(theirs) != size:
+            raise _wrong_size(space, rank, size, int(theirs))
+        nonce = uuid.uuid4().hex
+        if space.compare_set(f"member/{rank}", "", nonce) != nonce.encode():
+            raise _rank_taken(space, rank, size)
+        wait_for_ranks(space, [f"member/{r}" for r in range(size)],
+                       max(deadline - time.monotonic(), 0.0), rank=rank, liveness=live,
+                       what=f"start-up of job {job!r}" if job else "start-up",
+                       absent="never joined")
+    except CollectiveTimeout as exc:
+        live.leave()
+        if not skipped:
+            raise
+        raise CollectiveTimeout(
+            f"{exc}; this rank joined {space.prefix} after skipping {len(skipped)} slot(s) of "
+            f"groups in which a rank died or left (a rank of this group that died before the "
+            f"others arrived looks the same)") from None
+    except BaseException:
+        live.leave()
+        raise
+    with _slot_lock:
+        _next_slot[ident] = max(_next_slot.get(ident, 0), n + 1)
+    if rank == 0:  # every rank has moved past the skipped slots: clear what nobody uses
+        for s in skipped:
+            _clear_if_abandoned(PrefixStore(f"{root}/{s}", store))
+    return space
+
+
+def _fit(space: Any, rank: int, size: int) -> bool:
+    """Whether ``rank`` may join the group forming in slot ``space``: False for the leftovers
+    of a group a rank died in or closed; RendezvousError where a live process holds this rank
+    or the group has another size."""
+    *gone, theirs, mine = space.peek([f"gone/{r}" for r in range(size)] +
+                                     ["size", f"member/{rank}"])
+    if theirs is not None and int(theirs) != size:
+        if _abandoned(space, int(theirs)):
+            return False
+        raise _wrong_size(space, rank, size, int(theirs))
+    if any(g is not None for g in gone):
+        return False
+    if mine is not None:
+        raise _rank_taken(space, rank, size)
+    return True
+
+
+def _wrong_size(space: Any, rank: int, size: int, theirs: int) -> RendezvousError:
+    return RendezvousError(f"rank {rank} was given world size {size}, but the group forming in "
+                           f"{space.prefix} has world size {theirs}")
+
+
+def _rank_taken(space: Any, rank: int, size: int) -> RendezvousError:
+    return RendezvousError(
+        f"rank {rank} of {size}: another live process already joined {space.prefix} as rank "
+        f"{rank} (jobs using one store at the same time need job ids of their own: set "
+        f"GPUCOLL_JOB_ID)")
+
+
+def _abandoned(space: Any, size: int) -> bool:
+    """True when no live rank is in slot ``space``: every rank that joined has died or left."""
+    states = space.peek([f"member/{r}" for r in range(size)] +
+                        [f"gone/{r}" for r in range(size)])
+    return all(m is None or g is not None for m, g in zip(states[:size], states[size:],
+                                                            strict=True))
+
+
+def _clear_if_abandoned(space: Any) -> None:
+    """Delete a skipped slot's leftovers once no live rank is in it (a crashed job's keys)."""
+    size = space.peek(["size"])[0]
+    if size is None or _abandoned(space, int(size)):
+        space.delete_prefix("")
+
+
+def _identity(store: Any) -> tuple:
+    """Which store this is, for this process's slot counters: its address and prefixes."""
+    prefixes = []
+    while hasattr(store, "prefix") and hasattr(store, "store"):
+        prefixes.append(store.prefix)
+        store = store.store
+    where = (store.host, store.port) if hasattr(store, "port") else id(store)
+    return (where, *prefixes)
+
+
 __all__ = ["DEFAULT_PORT", "Rendezvous", "RendezvousError", "connect_store", "expand_hostlist",
-           "from_env", "store_url"]
+           "from_env", "job_id", "join_group", "store_url"]

@@ -15,6 +15,7 @@ from gpucoll.rendezvous import (
     connect_store,
     expand_hostlist,
     from_env,
+    job_id,
 )
 from tests.multiproc import spawn
 
@@ -124,9 +125,41 @@ def test_no_launcher_lists_every_variable_looked_for():
         assert var in str(info.value)
 
 
+@pytest.mark.parametrize("env, job", [
+    ({"GPUCOLL_JOB_ID": "run7", "SLURM_JOB_ID": "9"}, "run7"),
+    ({"TORCHELASTIC_RUN_ID": "abc", "TORCHELASTIC_RESTART_COUNT": "2"}, "torchrun:abc.2"),
+    ({"TORCHELASTIC_RUN_ID": "abc"}, "torchrun:abc.0"),
+    ({"SLURM_JOB_ID": "4242", "SLURM_STEP_ID": "3"}, "slurm:4242.3"),
+    ({"PMIX_NAMESPACE": "prterun-host-1@1"}, "PMIX_NAMESPACE:prterun-host-1@1"),
+    ({"OMPI_MCA_ess_base_jobid": "17"}, "OMPI_MCA_ess_base_jobid:17"),
+    ({"PATH": "/bin"}, None),
+])
+def test_job_id_comes_from_the_first_launcher_that_names_one(env, job):
+    assert job_id(env) == job
+
+
+def test_rendezvous_carries_the_job_id():
+    rdv = from_env({"GPUCOLL_RANK": "0", "GPUCOLL_WORLD_SIZE": "2", "GPUCOLL_JOB_ID": "j1"})
+    assert rdv.job_id == "j1"
+
+
+def test_a_job_id_without_a_port_variable_picks_the_port():
+    env = {"GPUCOLL_RANK": "0", "GPUCOLL_WORLD_SIZE": "2"}
+    ports = {from_env({**env, "GPUCOLL_JOB_ID": j}).store_port for j in ("a", "b", "c")}
+    assert len(ports) == 3 and all(20000 <= p < 32000 for p in ports)
+
+
 def test_rendezvous_error_is_a_value_error():
     with pytest.raises(ValueError):
         from_env({"PATH": "/bin"})
+
+
+def test_rendezvous_error_is_exported_in_the_one_hierarchy():
+    import gpucoll
+
+    with pytest.raises(gpucoll.GpucollError) as info:
+        from_env({"PATH": "/bin"})
+    assert type(info.value) is gpucoll.RendezvousError is RendezvousError
 
 
 def test_missing_world_size_is_named():
@@ -227,6 +260,7 @@ def test_rank_1_started_first_waits_for_rank_0():
     assert got == [b"x"]
 
 
+@pytest.mark.filterwarnings("ignore:gpucoll store on .* has no token")
 def test_rank_0_on_a_named_host_listens_everywhere_and_reports_that_name():
     rdv = Rendezvous(0, 2, 0, 1, "localhost.", 0, False, None, "gpucoll")
     with connect_store(rdv, timeout=20) as store:
@@ -287,3 +321,78 @@ def test_ranks_meet_through_their_launchers_environment(launcher):
     finally:
         reserved.close()
     assert results == [[b"0", b"1", b"2"]] * 3
+
+
+# ----------------------------------------------------------------------------- a group's slot
+@pytest.fixture
+def fresh_slots(monkeypatch):
+    """This process's slot counters as in a process that has made no communicator yet."""
+    from gpucoll import rendezvous
+
+    monkeypatch.setattr(rendezvous, "_next_slot", {})
+
+
+def test_a_one_rank_group_forms_in_the_first_slot_of_its_job(store_server, fresh_slots):
+    from gpucoll.rendezvous import join_group
+
+    space = join_group(store_server, 0, 1, job="j", timeout=10)
+    assert space.prefix == "gpucoll/jobs/j/0"
+    assert store_server.peek(["gpucoll/jobs/j/0/member/0", "gpucoll/jobs/j/0/size"])[1] == b"1"
+    assert join_group(store_server, 0, 1, job="j", timeout=10).prefix == "gpucoll/jobs/j/1"
+
+
+def test_a_crashed_groups_slot_is_skipped_then_cleared(store_server, fresh_slots):
+    from gpucoll.rendezvous import join_group
+
+    dead = {"size": b"2", "member/0": b"a", "gone/0": b"died", "member/1": b"b",
+            "gone/1": b"closed", "ring/addr/0": b"x"}
+    store_server.multi_set([f"gpucoll/jobs/anonymous/0/{k}" for k in dead], list(dead.values()))
+    assert join_group(store_server, 0, 1, job=None, timeout=10).prefix == \
+        "gpucoll/jobs/anonymous/1"
+    assert store_server.peek([f"gpucoll/jobs/anonymous/0/{k}" for k in dead]) == [None] * 6
+
+
+def test_a_live_process_holding_this_rank_is_an_error_naming_the_job_id(store_server,
+                                                                         fresh_slots):
+    from gpucoll.rendezvous import join_group
+
+    store_server.multi_set(["gpucoll/jobs/anonymous/0/size", "gpucoll/jobs/anonymous/0/member/1"],
+                           [b"2", b"someone"])
+    with pytest.raises(RendezvousError, match="another live process already joined "
+                                              "gpucoll/jobs/anonymous/0 as rank 1.*GPUCOLL_JOB_ID"):
+        join_group(store_server, 1, 2, job=None, timeout=10)
+
+
+def test_a_group_of_another_size_still_forming_is_an_error_naming_both(store_server,
+                                                                      fresh_slots):
+    from gpucoll.rendezvous import join_group
+
+    store_server.multi_set(["gpucoll/jobs/anonymous/0/size", "gpucoll/jobs/anonymous/0/member/0"],
+                           [b"4", b"alive"])
+    with pytest.raises(RendezvousError, match="rank 1 was given world size 2, but the group "
+                                              "forming in gpucoll/jobs/anonymous/0 has world "
+                                              "size 4"):
+        join_group(store_server, 1, 2, job=None, timeout=10)
+
+
+def test_a_rank_that_never_joins_is_a_timeout_and_its_slot_is_left_marked(store_server,
+                                                                         fresh_slots):
+    from gpucoll.errors import CollectiveTimeout
+    from gpucoll.rendezvous import join_group
+
+    with pytest.raises(CollectiveTimeout, match=r"start-up of job 'j' on rank 0 of 2: "
+                                                r"rank\(s\) \[1\] never joined"):
+        join_group(store_server, 0, 2, job="j", timeout=0.5)
+    assert store_server.get("gpucoll/jobs/j/0/gone/0") == b"closed"
+
+
+def test_a_timeout_after_skipped_slots_says_a_rank_that_died_early_looks_the_same(
+        store_server, fresh_slots):
+    from gpucoll.errors import CollectiveTimeout
+    from gpucoll.rendezvous import join_group
+
+    store_server.multi_set(["gpucoll/jobs/anonymous/0/gone/1"], [b"died"])
+    with pytest.raises(CollectiveTimeout, match=r"never joined .* joined "
+                                                r"gpucoll/jobs/anonymous/1 after skipping 1 "
+                                                r"slot\(s\) .* died before the others arrived"):
+        join_group(store_server, 0, 2, job=None, timeout=0.5)

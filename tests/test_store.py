@@ -185,6 +185,42 @@ def test_delete_key_reports_whether_it_existed(store_server):
     assert not store_server.check(["d"])
 
 
+def test_peek_returns_the_values_there_now_and_none_for_the_rest(store_server):
+    store_server.multi_set(["p/a", "p/empty"], [b"1", b""])
+    assert store_server.peek(["p/a", "p/missing", "p/empty"]) == [b"1", None, b""]
+
+
+def test_peek_never_waits(store_server):
+    assert store_server.peek(["never/1", "never/2"]) == [None, None]
+    assert store_server.peek([]) == []
+
+
+def test_peek_returns_large_values_whole(store_server):
+    big = bytes(range(256)) * 4096
+    store_server.set("p/big", big)
+    assert store_server.peek(["p/none", "p/big"]) == [None, big]
+
+
+def test_peek_needs_a_list_of_keys(store_server):
+    with pytest.raises(TypeError, match="peek: keys must be a list"):
+        store_server.peek("p/a")
+
+
+def test_delete_prefix_deletes_only_the_keys_under_it_and_counts_them(store_server):
+    store_server.multi_set(["job1/a", "job1/b/c", "job10/a", "other"], [b"1"] * 4)
+    assert store_server.delete_prefix("job1/") == 2
+    assert store_server.peek(["job1/a", "job1/b/c", "job10/a", "other"]) == \
+        [None, None, b"1", b"1"]
+    assert store_server.delete_prefix("job1/") == 0
+
+
+def test_delete_prefix_refuses_the_empty_prefix(store_server):
+    store_server.set("k", b"v")
+    with pytest.raises(ValueError, match="every key"):
+        store_server.delete_prefix("")
+    assert store_server.check(["k"])
+
+
 def test_num_keys_counts_every_key(store_server):
     before = store_server.num_keys()
     store_server.set("n1", b"1")
@@ -275,6 +311,7 @@ def test_context_manager_closes_the_server():
         TCPStore("127.0.0.1", port, timeout=0.3)
 
 
+@pytest.mark.filterwarnings("ignore:gpucoll store on .* has no token")
 def test_server_on_the_wildcard_address_is_its_own_client():
     with TCPStore("0.0.0.0", 0, is_server=True, timeout=5) as s:
         s.set("k", b"v")

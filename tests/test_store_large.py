@@ -17,13 +17,13 @@ from gpucoll.store.protocol import (
     Frame,
     FrameReader,
     Op,
+    ReplyReader,
     Status,
     decode_args,
     encode,
     encode_payload,
     unsent,
 )
-from gpucoll.store.stream import ReplyReader
 
 
 def pattern(n: int, seed: int = 0) -> bytes:
@@ -177,7 +177,6 @@ def test_reply_reader_reads_a_large_reply_fed_in_pieces():
         assert reader.read_frame(no_deadline) == (Status.OK, 4, [b"next"])
         assert not reader.torn
         t.join(10)
-        reader.close()
 
 
 def test_reply_reader_returns_none_when_the_stream_ends_mid_frame():
@@ -188,7 +187,6 @@ def test_reply_reader_returns_none_when_the_stream_ends_mid_frame():
                       + b"x" * 1000)
         reader = ReplyReader(b)
         assert reader.read_frame(no_deadline) is None
-        reader.close()
 
 
 def test_reply_reader_marks_the_stream_torn_when_the_deadline_passes_mid_frame():
@@ -204,7 +202,6 @@ def test_reply_reader_marks_the_stream_torn_when_the_deadline_passes_mid_frame()
         with pytest.raises(StoreTimeout):
             reader.read_frame(expired)
         assert reader.torn
-        reader.close()
 
 
 def test_reply_reader_refuses_a_large_frame_whose_lengths_do_not_add_up():
@@ -214,7 +211,6 @@ def test_reply_reader_refuses_a_large_frame_whose_lengths_do_not_add_up():
         reader = ReplyReader(b)
         with pytest.raises(ValueError, match="add up"):
             reader.read_frame(no_deadline)
-        reader.close()
 
 
 def test_unsent_is_what_a_partial_send_left_in_order_without_empty_buffers():

@@ -65,6 +65,25 @@ def test_wait_blocks_until_set_through_another_namespace_object(store_server):
     assert done == [None]
 
 
+def test_peek_is_namespaced(store_server):
+    store_server.multi_set(["ns/a", "a"], [b"inside", b"outside"])
+    assert PrefixStore("ns", store_server).peek(["a", "b"]) == [b"inside", None]
+
+
+def test_delete_prefix_deletes_within_the_namespace_only(store_server):
+    store_server.multi_set(["ns/x/1", "ns/x/2", "ns/y", "nsx", "x/1"], [b"v"] * 5)
+    space = PrefixStore("ns", store_server)
+    assert space.delete_prefix("x/") == 2
+    assert space.delete_prefix("") == 1
+    assert store_server.peek(["nsx", "x/1"]) == [b"v", b"v"]
+
+
+def test_nested_delete_prefix_keeps_to_the_inner_namespace(store_server):
+    store_server.multi_set(["a/b/1", "a/c/1"], [b"v", b"v"])
+    assert PrefixStore("b", PrefixStore("a", store_server)).delete_prefix("") == 1
+    assert store_server.check(["a/c/1"])
+
+
 def test_num_keys_counts_the_whole_store(store_server):
     store_server.set("outside", b"1")
     p = PrefixStore("ns", store_server)

@@ -2,57 +2,19 @@
 
 from __future__ import annotations
 
+import os
+import pickle
 import socket
 import struct
+import subprocess
+import sys
 import threading
 
 import pytest
 
 from gpucoll import StoreError, StoreTimeout, TCPStore
-from gpucoll.store.protocol import HEADER, VERSION, Frame, Op, Status, decode_args, encode
-
-
-def raw_connect(port: int) -> socket.socket:
-    sock = socket.create_connection(("127.0.0.1", port), timeout=10)
-    return sock
-
-
-def read_frame(sock: socket.socket) -> Frame | None:
-    """One whole reply frame from a raw socket, or None if the server closed it."""
-    head = _read_exact(sock, HEADER.size)
-    if head is None:
-        return None
-    plen, code, rid, argc = HEADER.unpack(head)
-    payload = _read_exact(sock, plen)
-    return None if payload is None else Frame(code, rid, argc, payload)
-
-
-def _read_exact(sock: socket.socket, n: int) -> bytes | None:
-    data = b""
-    while len(data) < n:
-        try:
-            chunk = sock.recv(n - len(data))
-        except ConnectionResetError:
-            return None
-        if not chunk:
-            return None
-        data += chunk
-    return data
-
-
-def closed_by_server(sock: socket.socket) -> bool:
-    """True once the server has closed this connection (drains anything it sent first)."""
-    while True:
-        try:
-            if not sock.recv(65536):
-                return True
-        except ConnectionResetError:
-            return True
-
-
-def hello(sock: socket.socket, token: str = "") -> Frame:
-    sock.sendall(encode(Op.HELLO, 1, [VERSION, token.encode()])[0])
-    return read_frame(sock)
+from gpucoll.store.protocol import HEADER, Op, Status, decode_args, encode
+from tests.store_wire import closed_by_server, hello, raw_connect, read_frame
 
 
 def still_serves(port: int) -> bool:
@@ -198,6 +160,14 @@ def test_value_over_the_server_limit_from_a_raw_client_is_refused():
         assert not s.check(["k"])
 
 
+def test_frame_error_is_an_exported_store_error_that_pickles_with_its_fields():
+    import gpucoll
+
+    err = pickle.loads(pickle.dumps(gpucoll.FrameError("bad frame", rid=7, fatal=False)))
+    assert isinstance(err, gpucoll.StoreError) and isinstance(err, ValueError)
+    assert (str(err), err.rid, err.fatal) == ("bad frame", 7, False)
+
+
 def test_failed_fire_and_forget_set_breaks_the_connection_visibly(store_server):
     # a raw set with reply id 0 that the server cannot apply closes the connection
     sock = raw_connect(store_server.port)
@@ -265,13 +235,68 @@ def test_nothing_listening_times_out_naming_the_address():
         reserved.close()
 
 
+def test_both_ends_of_a_connection_probe_a_silent_peer_with_keepalives(store_server):
+    from gpucoll.store.protocol import KEEPALIVE
+
+    with TCPStore("127.0.0.1", store_server.port, timeout=10) as c:
+        c.add("sync", 1)  # the server has accepted it by now
+        server_side = [conn.sock for conn in store_server._server._conns.values()]
+        for sock in [c._conn._sock, *server_side]:
+            assert sock.getsockopt(socket.SOL_SOCKET, socket.SO_KEEPALIVE) == 1
+            assert sock.getsockopt(socket.IPPROTO_TCP, socket.TCP_KEEPIDLE) == KEEPALIVE[0]
+            assert sock.getsockopt(socket.IPPROTO_TCP, socket.TCP_KEEPCNT) == KEEPALIVE[2]
+
+
 def test_connection_that_never_says_hello_is_dropped():
+    from gpucoll.store import StoreLimits
     from gpucoll.store.server import StoreServer
 
-    server = StoreServer("127.0.0.1", 0, hello_timeout=0.2)
+    server = StoreServer("127.0.0.1", 0, limits=StoreLimits(hello_timeout=0.2))
     try:
         sock = raw_connect(server.port)
         assert closed_by_server(sock)  # nothing sent: dropped at the hello deadline
         sock.close()
     finally:
         server.close()
+
+
+# ----------------------------------------------------------------------------- open to the network
+@pytest.fixture
+def fresh_warning(monkeypatch):
+    """Forget that this process already warned about a store without a token."""
+    monkeypatch.setattr("gpucoll.store.server._warned_open", False)
+
+
+def test_a_store_without_a_token_on_every_interface_warns_once(fresh_warning, monkeypatch):
+    monkeypatch.delenv("GPUCOLL_STORE_TOKEN", raising=False)
+    with pytest.warns(UserWarning, match=r"store on 0\.0\.0\.0:\d+ has no token.*"
+                                         r"GPUCOLL_STORE_TOKEN") as record:
+        with TCPStore("0.0.0.0", 0, is_server=True, timeout=10):
+            with TCPStore("0.0.0.0", 0, is_server=True, timeout=10):
+                pass
+    assert len([w for w in record if "no token" in str(w.message)]) == 1
+
+
+@pytest.mark.parametrize("host, token", [("127.0.0.1", None), ("0.0.0.0", "s3cret")])
+def test_a_loopback_store_or_one_with_a_token_does_not_warn(fresh_warning, monkeypatch, host,
+                                                              token):
+    import warnings
+
+    monkeypatch.delenv("GPUCOLL_STORE_TOKEN", raising=False)
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")
+        with TCPStore(host, 0, is_server=True, timeout=10, token=token):
+            pass
+
+
+def test_the_store_command_warns_when_open_without_a_token():
+    env = {k: v for k, v in os.environ.items() if k != "GPUCOLL_STORE_TOKEN"}
+    proc = subprocess.Popen([sys.executable, "-m", "gpucoll", "store", "--host", "0.0.0.0",
+                             "--port", "0"], stdout=subprocess.PIPE, stderr=subprocess.PIPE,
+                            text=True, env=env)
+    try:
+        assert "serving" in proc.stdout.readline()
+    finally:
+        proc.terminate()
+        _, err = proc.communicate(timeout=20)
+    assert "has no token" in err

@@ -8,7 +8,7 @@ import sys
 
 from gpucoll.store.client import env_token
 from gpucoll.store.protocol import DEFAULT_MAX_VALUE_BYTES
-from gpucoll.store.server import StoreServer
+from gpucoll.store.server import StoreLimits, StoreServer
 
 
 def build_parser() -> argparse.ArgumentParser:
@@ -23,14 +23,29 @@ def build_parser() -> argparse.ArgumentParser:
                    help="shared secret clients must present (default: $GPUCOLL_STORE_TOKEN)")
     p.add_argument("--max-value-bytes", type=int, default=DEFAULT_MAX_VALUE_BYTES,
                    help=f"largest value accepted (default {DEFAULT_MAX_VALUE_BYTES})")
+    d = StoreLimits()
+    p.add_argument("--max-hello-bytes", type=int, default=d.hello_bytes,
+                   help=f"largest first message, read before the token is checked "
+                        f"(default {d.hello_bytes})")
+    p.add_argument("--max-buffered-bytes", type=int, default=d.buffered_bytes,
+                   help=f"unread replies per client before the server stops reading its "
+                        f"requests until it catches up (default {d.buffered_bytes})")
+    p.add_argument("--max-waiting", type=int, default=d.waiting,
+                   help=f"requests one client may have waiting for keys (default {d.waiting})")
     return p
 
 
 def main(argv: list[str] | None = None) -> int:
-    args = build_parser().parse_args(argv)
+    parser = build_parser()
+    args = parser.parse_args(argv)
     token = args.token if args.token is not None else env_token()
-    server = StoreServer(args.host, args.port, token=token,
-                         max_value_bytes=args.max_value_bytes)
+    try:
+        limits = StoreLimits(hello_bytes=args.max_hello_bytes,
+                             buffered_bytes=args.max_buffered_bytes, waiting=args.max_waiting)
+        server = StoreServer(args.host, args.port, token=token,
+                             max_value_bytes=args.max_value_bytes, limits=limits)
+    except ValueError as exc:
+        parser.error(str(exc))
     signal.signal(signal.SIGTERM, lambda *_: server.close())
     host = args.host if ":" not in args.host else f"[{args.host}]"
     print(f"gpucoll store: serving tcp://{host}:{server.port}"

@@ -10,25 +10,35 @@ every wait has a deadline: the call's ``timeout=`` or else the store's.
 from __future__ import annotations
 
 import os
+import socket
+import struct
+import threading
 import time
+import weakref
 from collections.abc import Sequence
 
 from gpucoll.errors import StoreError, StoreTimeout
-from gpucoll.store.connection import Connection
 from gpucoll.store.protocol import (
     DEFAULT_MAX_VALUE_BYTES,
     FRAME_SLACK,
+    MAX_IOV,
     NO_REPLY,
+    VERSION,
     Op,
+    ReplyReader,
     Status,
     encode,
+    keep_alive,
     pack_timeout,
+    unsent,
 )
-from gpucoll.store.server import StoreServer
+from gpucoll.store.server import StoreLimits, StoreServer
 
 _WILDCARDS = {"", "0.0.0.0", "::", "*"}
 # how long past a blocking call's own timeout to wait for the server's timeout reply
 _REPLY_GRACE = 5.0
+# longest single blocking recv; the deadline is re-checked after each
+_MAX_SLICE = 1.0
 
 
 class TCPStore:
@@ -37,12 +47,14 @@ class TCPStore:
     ``port=0`` (server only) picks a free port, reported as ``.port``. ``token`` (default:
     GPUCOLL_STORE_TOKEN) must match the server's. ``timeout`` bounds connecting and is the
     default deadline of every call. ``max_value_bytes`` (server only) caps each value; clients
-    learn the server's cap when they connect. Safe to use from several threads at once.
+    learn the server's cap when they connect. ``limits`` (server only, a ``StoreLimits``)
+    bounds what one client can make the server hold. Safe to use from several threads at once.
     """
 
     def __init__(self, host: str, port: int, *, is_server: bool = False,
                  timeout: float = 300.0, token: str | None = None,
-                 max_value_bytes: int = DEFAULT_MAX_VALUE_BYTES):
+                 max_value_bytes: int = DEFAULT_MAX_VALUE_BYTES,
+                 limits: StoreLimits | None = None):
         _check_timeout(timeout, "timeout")
         if not isinstance(port, int) or not 0 <= port < 65536:
             raise ValueError(f"TCPStore: port must be an int in [0, 65535], got {port!r}")
@@ -52,12 +64,15 @@ class TCPStore:
                 max_value_bytes > (1 << 32) - (1 << 21):
             raise ValueError(f"TCPStore: max_value_bytes must be in [1, 4 GiB - 2 MiB], "
                              f"got {max_value_bytes!r}")
+        if limits is not None and not is_server:
+            raise ValueError("TCPStore: limits are the server's; pass them with is_server=True")
         token = token if token is not None else env_token()
         self.host, self.port, self.timeout = host, port, float(timeout)
         self._server: StoreServer | None = None
         self._closed = False
         if is_server:
-            self._server = StoreServer(host, port, token=token, max_value_bytes=max_value_bytes)
+            self._server = StoreServer(host, port, token=token, max_value_bytes=max_value_bytes,
+                                       limits=limits)
             self.port = self._server.port
         target = "127.0.0.1" if is_server and host in _WILDCARDS else host
         try:
@@ -128,6 +143,30 @@ class TCPStore:
         """Remove ``key``; True if it was there."""
         return self._call(Op.DELETE, [_key(key)], None, f"delete_key({key!r})")[0] == b"1"
 
+    def delete_prefix(self, prefix: str, *, timeout: float | None = None) -> int:
+        """Remove every key that starts with ``prefix`` (one request); how many there were."""
+        if not isinstance(prefix, str):
+            raise TypeError(f"delete_prefix: prefix must be a str, got {type(prefix).__name__}")
+        if not prefix:
+            raise ValueError("delete_prefix: an empty prefix would delete every key in the "
+                             "store, of every job using it")
+        what = f"delete_prefix({prefix!r})"
+        return int(self._call(Op.DELETE_PREFIX, [prefix.encode()], timeout, what)[0])
+
+    # ----------------------------------------------------------------- last wills
+    def set_will(self, key: str, value: bytes | str, *, timeout: float | None = None) -> None:
+        """Leave ``key := value`` to be set by the server when this store's connection ends,
+        for any reason (``close()``, the process dying, a broken network), waking whoever
+        waits for ``key``, unless ``clear_will(key)`` comes first. A round trip: the will is
+        registered when this returns. One will per key; another ``set_will`` replaces it."""
+        what = f"set_will({key!r})"
+        self._call(Op.SET_WILL, [_key(key), self._value(value, what)], timeout, what)
+
+    def clear_will(self, key: str, *, timeout: float | None = None) -> bool:
+        """Withdraw this connection's will for ``key``; True if there was one."""
+        what = f"clear_will({key!r})"
+        return self._call(Op.CLEAR_WILL, [_key(key)], timeout, what)[0] == b"1"
+
     # ----------------------------------------------------------------- reads
     def get(self, key: str, timeout: float | None = None) -> bytes:
         """The value of ``key``, waiting (server-side) until it is set or the deadline."""
@@ -148,6 +187,16 @@ class TCPStore:
         """True if every key in ``keys`` is set (never waits for them)."""
         return self._call(Op.CHECK, _keys(keys, "check"), None, "check")[0] == b"1"
 
+    def peek(self, keys: Sequence[str], *, timeout: float | None = None) -> list[bytes | None]:
+        """The value of each of ``keys`` now, None for those not set (never waits for them;
+        ``timeout`` bounds the round trip)."""
+        ks = _keys(keys, "peek")
+        if not ks:
+            return []
+        mask, *values = self._call(Op.PEEK, ks, timeout, "peek")
+        found = iter(values)
+        return [next(found) if bit == 0x31 else None for bit in mask]
+
     def num_keys(self) -> int:
         """How many keys the store holds (all namespaces)."""
         return int(self._call(Op.NUM_KEYS, [], None, "num_keys")[0])
@@ -158,6 +207,8 @@ class TCPStore:
         if self._closed:
             return
         self._closed = True
+        if self._conn.inherited:
+            return  # a forked child's copy: the connection and server are the parent's
         if self._conn.unconfirmed:
             # a round trip, so the sets just sent are applied before the connection goes
             try:
@@ -178,6 +229,8 @@ class TCPStore:
 
     def _call(self, op: int, args: list[bytes], timeout: float | None,
               what: str) -> list[bytes]:
+        if timeout is not None:
+            _check_timeout(timeout, "timeout")
         deadline = time.monotonic() + (self.timeout if timeout is None else timeout)
         status, reply = self._conn.request(op, args, deadline, what)
         if status:
@@ -248,6 +301,302 @@ def parse_address(address: str) -> tuple[str, int]:
     if not sep or not host or not port.isdigit() or not 0 < int(port) < 65536:
         raise ValueError(f"store address must look like tcp://HOST:PORT, got {address!r}")
     return host.strip("[]"), int(port)
+
+
+# ----------------------------------------------------------------- the connection
+_LIVE: weakref.WeakSet = weakref.WeakSet()  # connections of this process, for fork handling
+
+
+def _drop_inherited() -> None:
+    """In a forked child (a data loader, say): close the parent's store connections, so that
+    the parent's death still ends them (firing its wills) and the child cannot use them."""
+    for conn in list(_LIVE):
+        conn.drop_inherited()
+
+
+os.register_at_fork(after_in_child=_drop_inherited)
+
+
+class _Slot:
+    __slots__ = ("reply",)
+
+    def __init__(self):
+        self.reply: tuple[int, list[bytes]] | None = None  # status, arguments
+
+
+class Connection:
+    """Connects (retrying until ``timeout`` while the server is not up yet) and says hello."""
+
+    def __init__(self, host: str, port: int, token: str | None, timeout: float):
+        self.address = f"{host}:{port}"
+        deadline = time.monotonic() + timeout
+        # A blocking socket with kernel-side timeouts: no poll() before every send and recv.
+        self._sock = _connect(host, port, timeout, deadline)
+        _set_timeo(self._sock, socket.SO_SNDTIMEO, min(max(timeout, 1.0), 60.0))
+        self._rcv_timeo = 0.0
+        # replies come from the server we chose: any size a frame can carry
+        self._reader = ReplyReader(self._sock)
+        self._send_lock = threading.Lock()
+        self._lock = threading.Lock()  # guards the fields below; C-level on the fast path
+        self._cond = threading.Condition(self._lock)
+        self._pending: dict[int, _Slot] = {}
+        self._next_rid = 1
+        self._reading = False
+        self._closing = False  # close() was called while a thread read: it closes the socket
+        self._error: str | None = None
+        self._pid = os.getpid()
+        _LIVE.add(self)
+        self.unconfirmed = False  # a fire-and-forget request was sent since the last reply
+        hello = [VERSION, (token or "").encode()]
+        try:
+            status, args = self.request(Op.HELLO, hello, deadline, "connect")
+        except BaseException:
+            self.close()
+            raise
+        if status != Status.OK:
+            self.close()
+            raise StoreError(f"store at {self.address} refused the connection: "
+                             f"{_text(args)}")
+        self.max_value_bytes = int(args[0])
+
+    @property
+    def inherited(self) -> bool:
+        """True in a process forked from the one that made this connection."""
+        return self._pid != os.getpid()
+
+    def post(self, bufs: list[bytes], what: str) -> None:
+        """Send an encoded request that gets no reply on success (a failure breaks the
+        connection, reported by the next call)."""
+        if self._error is not None:
+            self._raise_if_broken(what)
+        self.unconfirmed = True
+        self._send(bufs, what)
+
+    def request(self, op: int, args: list[bytes], deadline: float,
+                what: str) -> tuple[int, list[bytes]]:
+        """Send a request and wait for its reply until ``deadline`` (monotonic seconds)."""
+        if self._error is not None:  # before any lock: in a forked child (where the fork
+            self._raise_if_broken(what)  # hook set the error) a parent's thread may hold it
+        slot = _Slot()
+        with self._lock:
+            if self._error is not None:
+                self._raise_if_broken(what)
+            rid = self._next_rid
+            self._next_rid = rid % 0xFFFFFFFF + 1
+            self._pending[rid] = slot
+            reader = not self._reading  # the common case: nobody else is reading
+            self._reading = True
+        try:
+            self._send(encode(op, rid, args), what)
+            if reader:
+                self._read_until(slot, deadline, what)
+            else:
+                self._await(slot, deadline, what)
+            self.unconfirmed = False  # the server answers a connection's requests in order
+        finally:
+            with self._lock:
+                del self._pending[rid]
+                if reader:
+                    self._reading = False
+                    if self._pending:
+                        self._cond.notify_all()
+                last = reader and self._closing
+            if last:
+                self._close_socket()
+        return slot.reply
+
+    def close(self) -> None:
+        """Break the connection; threads still waiting on it get a StoreError at once."""
+        if self.inherited:
+            return  # the parent's: drop_inherited closed this process's copy
+        with self._cond:
+            if self._error is None:
+                self._error = f"connection to store at {self.address} is closed"
+            self._cond.notify_all()
+            self._closing = True
+            reading = self._reading
+        try:
+            self._sock.shutdown(socket.SHUT_RDWR)  # wakes a thread blocked in recv or send
+        except OSError:
+            pass
+        if not reading:  # else the reading thread closes it once out of its recv: the
+            self._close_socket()  # descriptor's number must not be reused under that recv
+
+    def drop_inherited(self) -> None:
+        """In a forked child: close this process's copy of the socket without a word to the
+        server (the parent's connection stays up, and still ends when the parent ends), and
+        touch no lock (a thread of the parent may have held one at the fork)."""
+        self._error = (f"this connection to the store at {self.address} was inherited across "
+                       f"fork() from process {self._pid}: a forked child must make a TCPStore "
+                       f"of its own")
+        try:
+            self._sock.close()
+        except OSError:
+            pass
+
+    # ----------------------------------------------------------------- internals
+    def _raise_if_broken(self, what: str) -> None:
+        if self._error is not None:
+            raise StoreError(f"{what}: {self._error}")
+
+    def _close_socket(self) -> None:
+        with self._send_lock:  # a sender woken by the shutdown lets go of it at once
+            self._sock.close()
+
+    def _broken(self, message: str) -> None:
+        with self._cond:
+            if self._error is None:
+                self._error = message
+            self._cond.notify_all()
+
+    def _send(self, bufs: list[bytes], what: str) -> None:
+        with self._send_lock:
+            try:
+                _send_all(self._sock, bufs)
+            except OSError as exc:
+                # a partly written frame leaves the stream unusable
+                self._broken(f"lost the connection to the store at {self.address} ({exc!r})")
+                self._raise_if_broken(what)
+
+    def _await(self, slot: _Slot, deadline: float, what: str) -> None:
+        """Wait for another thread to read our reply, or take over reading when it stops."""
+        while True:
+            with self._cond:
+                while slot.reply is None and self._reading and self._error is None:
+                    remaining = deadline - time.monotonic()
+                    if remaining <= 0:
+                        raise StoreTimeout(f"{what}: no reply from store at {self.address} "
+                                           f"by the deadline")
+                    self._cond.wait(remaining)
+                if slot.reply is not None:
+                    return
+                self._raise_if_broken(what)
+                self._reading = True
+            try:
+                self._read_until(slot, deadline, what)
+                return
+            finally:
+                with self._cond:
+                    self._reading = False
+                    self._cond.notify_all()
+                    last = self._closing
+                if last:
+                    self._close_socket()
+
+    def _read_until(self, slot: _Slot, deadline: float, what: str) -> None:
+        def tick() -> None:
+            """Before each receive: the deadline check and the receive's kernel timeout."""
+            remaining = deadline - time.monotonic()
+            if remaining <= 0:
+                raise StoreTimeout(f"{what}: no reply from store at {self.address} "
+                                   f"by the deadline")
+            want = min(remaining, _MAX_SLICE)
+            if want != self._rcv_timeo:
+                _set_timeo(self._sock, socket.SO_RCVTIMEO, want)
+                self._rcv_timeo = want
+
+        while slot.reply is None:
+            tick()
+            try:
+                frame = self._reader.read_frame(tick)
+            except StoreTimeout:
+                if self._reader.torn:  # the rest of a reply is still on its way: unusable
+                    self._broken(f"lost the connection to the store at {self.address} (a reply "
+                                 f"stalled halfway past the deadline)")
+                raise
+            except (OSError, ValueError) as exc:  # ValueError: FrameError, or closed
+                self._broken(f"lost the connection to the store at {self.address} ({exc!r})")
+                self._raise_if_broken(what)
+            if frame is None:
+                self._broken(f"lost the connection to the store at {self.address}: the server "
+                             f"closed it (the process hosting the store ended or closed it)")
+                self._raise_if_broken(what)
+            self._deliver(frame, slot, what)
+
+    def _deliver(self, frame: tuple[int, int, list[bytes]], mine: _Slot, what: str) -> None:
+        code, rid, args = frame
+        if self._pending.get(rid) is mine:
+            mine.reply = (code, args)  # our own reply: nobody else to wake
+            return
+        with self._cond:
+            if rid == NO_REPLY:  # an earlier fire-and-forget request failed
+                self._error = (f"store at {self.address} rejected an earlier request: "
+                               f"{_text(args)}")
+                self._cond.notify_all()
+                self._raise_if_broken(what)
+            target = self._pending.get(rid)
+            if target is not None:  # else: a reply to a request given up on
+                target.reply = (code, args)
+            self._cond.notify_all()
+
+
+def _send_all(sock: socket.socket, bufs: list[bytes]) -> None:
+    """Send a frame's buffers in order: ``sendmsg`` of up to MAX_IOV at a time (no joining
+    of large values), then whatever a partial send left over."""
+    if len(bufs) == 1:
+        sock.sendall(bufs[0])
+        return
+    for i in range(0, len(bufs), MAX_IOV):
+        batch = bufs[i:i + MAX_IOV]
+        for rest in unsent(batch, sock.sendmsg(batch)):
+            sock.sendall(rest)
+
+
+def _set_timeo(sock: socket.socket, option: int, seconds: float) -> None:
+    """Kernel-side send/receive timeout of a blocking socket (0 would mean forever)."""
+    seconds = max(seconds, 1e-3)
+    sec = int(seconds)
+    sock.setsockopt(socket.SOL_SOCKET, option, struct.pack("ll", sec,
+                                                             int((seconds - sec) * 1e6)))
+
+
+def _connect(host: str, port: int, timeout: float, deadline: float) -> socket.socket:
+    """Connect, retrying with backoff while nothing listens yet (the start-up race)."""
+    delay, last = 0.01, None
+    while True:
+        remaining = deadline - time.monotonic()
+        if remaining <= 0:
+            raise StoreTimeout(f"could not connect to store at {host}:{port} within "
+                               f"{timeout:g} s (last error: {last})")
+        try:
+            return _connect_once(host, port, min(remaining, 30.0))
+        except OSError as exc:
+            last = exc
+        time.sleep(max(0.0, min(delay, deadline - time.monotonic())))
+        delay = min(delay * 2, 0.5)
+
+
+def _connect_once(host: str, port: int, timeout: float) -> socket.socket:
+    """A blocking, connected TCP socket whose connect and sends time out in the kernel
+    (SO_SNDTIMEO), so neither needs a poll() per call."""
+    last: OSError = OSError(f"{host} resolves to no address")
+    for family, kind, proto, _, addr in _resolve(host, port):
+        sock = socket.socket(family, kind, proto)
+        try:
+            _set_timeo(sock, socket.SO_SNDTIMEO, timeout)
+            sock.connect(addr)
+            sock.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
+            keep_alive(sock)
+            return sock
+        except OSError as exc:
+            sock.close()
+            last = exc
+    raise last
+
+
+def _resolve(host: str, port: int) -> list[tuple]:
+    """getaddrinfo, skipped for IP literals (thousands of ranks connect at once)."""
+    for family, addr in ((socket.AF_INET, (host, port)), (socket.AF_INET6, (host, port, 0, 0))):
+        try:
+            socket.inet_pton(family, host)
+        except OSError:
+            continue
+        return [(family, socket.SOCK_STREAM, socket.IPPROTO_TCP, "", addr)]
+    return socket.getaddrinfo(host, port, type=socket.SOCK_STREAM)
+
+
+def _text(args: list[bytes]) -> str:
+    return args[0].decode("utf-8", "replace") if args else "(no message)"
 
 
 __all__ = ["TCPStore", "StoreTimeout", "parse_address"]

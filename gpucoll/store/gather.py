@@ -1,8 +1,11 @@
-"""One key per rank in the store: wait for all of them, or name the ranks that never came.
+"""Ranks meeting in the store: one key per rank, a wait for all of them that names the ranks
+missing, and what became of the ranks that left (``Liveness``).
 
-Bootstrap steps (the ring's address exchange, NCCL's start-up barrier, ``backend="auto"``'s
-verdicts) each publish one key per rank and need every other rank's; a rank that never shows up
-must become a ``CollectiveTimeout`` naming it, not a bare store timeout listing keys.
+Start-up steps (the ring's address exchange, NCCL's arrival, ``backend="auto"``'s verdicts) and
+store-side collectives (a split's colours, a debug signature check) each publish one key per rank
+and need every other rank's. A rank that never shows up becomes a ``CollectiveTimeout`` naming
+it at the deadline; with a ``Liveness``, a rank that died becomes a ``PeerFailure`` naming it
+within about a second, through the will every rank leaves in the group's namespace.
 """
 
 from __future__ import annotations
@@ -11,27 +14,125 @@ import time
 from collections.abc import Sequence
 from typing import Any
 
-from gpucoll.errors import CollectiveTimeout, StoreTimeout
+from gpucoll.errors import CollectiveTimeout, GpucollError, PeerFailure, StoreTimeout
+
+POLL = 0.5  # longest wait in the store between two looks at which ranks are gone
+LEAVE_TIMEOUT = 5.0  # what leaving a group may take at most: the store may be unresponsive
+_GONE = "gone/{}"
+
+
+class Liveness:
+    """This rank's presence in a group's store namespace, and what became of the others.
+
+    Creating it leaves a will ``gone/{rank} = b"died"`` on the store's connection: when this
+    process dies, or its connection to the store breaks, the server sets that key, and peers
+    that wait with a ``Liveness`` learn which rank died. ``leave()`` is the clean exit.
+    """
+
+    def __init__(self, store: Any, rank: int, size: int):
+        self.store, self.rank, self.size = store, rank, size
+        self._keys = [_GONE.format(r) for r in range(size)]
+        self._left = False
+        store.set_will(self._keys[rank], b"died")
+
+    def leave(self) -> None:
+        """Clean exit: withdraw the will and set ``gone/{rank} = b"closed"``. Idempotent; never
+        raises (the store may be gone already)."""
+        if not self._left:
+            self._left = True
+            _mark_closed(self.store, self.rank, time.monotonic() + LEAVE_TIMEOUT)
+
+    def gone(self) -> dict[int, str]:
+        """``{rank: "died" | "closed"}`` for the ranks whose ``gone/`` key exists (one peek)."""
+        values = self.store.peek(self._keys)
+        return {r: v.decode("utf-8", "replace") for r, v in enumerate(values) if v is not None}
 
 
 def wait_for_ranks(store: Any, keys: Sequence[str], timeout: float, *, what: str, rank: int,
-                   absent: str = "never arrived") -> None:
-    """Block until ``keys[r]`` (rank r's key) is in ``store`` for every r; else a
-    CollectiveTimeout saying, for operation ``what`` on ``rank``, which ranks are ``absent``
-    and after how long."""
+                   absent: str = "never arrived", liveness: Liveness | None = None,
+                   poll: float = POLL) -> None:
+    """Block until ``keys[r]`` (rank r's key) is in ``store`` for every r.
+
+    At the deadline: a CollectiveTimeout saying, for operation ``what`` on ``rank``, which ranks
+    are ``absent`` and after how long. With ``liveness`` the wait goes in slices of ``poll``
+    seconds, and between them a rank found gone raises PeerFailure naming it: "rank 2 died
+    during split on rank 0 of 3", or that it closed its communicator.
+    """
+    keys = list(keys)
     start = time.monotonic()
-    try:
-        store.wait(list(keys), timeout=timeout)
-    except StoreTimeout:
-        missing = [r for r, key in enumerate(keys) if not store.check([key])]
-        raise CollectiveTimeout(
-            f"{what} on rank {rank} of {len(keys)}: rank(s) {missing} {absent} within "
-            f"{time.monotonic() - start:.1f} s (timeout={timeout:g} s)"
-        ) from None
+    deadline = start + timeout
+    while True:
+        remaining = max(deadline - time.monotonic(), 0.0)
+        try:
+            store.wait(keys, timeout=remaining if liveness is None else min(poll, remaining))
+            return
+        except StoreTimeout:
+            pass
+        if liveness is not None:
+            others = {r: how for r, how in liveness.gone().items() if r != rank}
+            if others:
+                raise _gone(others, what, rank, len(keys))
+        if time.monotonic() >= deadline:
+            missing = [r for r, v in enumerate(store.peek(keys)) if v is None]
+            raise CollectiveTimeout(
+                f"{what} on rank {rank} of {len(keys)}: rank(s) {missing} {absent} within "
+                f"{time.monotonic() - start:.1f} s (timeout={timeout:g} s)")
 
 
 def gather(store: Any, keys: Sequence[str], timeout: float, *, what: str, rank: int,
-           absent: str = "never arrived") -> list[bytes]:
-    """Every rank's value (rank order) once all are in ``store``; timeouts as ``wait_for_ranks``."""
-    wait_for_ranks(store, keys, timeout, what=what, rank=rank, absent=absent)
+           absent: str = "never arrived", liveness: Liveness | None = None,
+           poll: float = POLL) -> list[bytes]:
+    """Every rank's value (rank order) once all are in ``store``; errors as ``wait_for_ranks``."""
+    wait_for_ranks(store, keys, timeout, what=what, rank=rank, absent=absent,
+                   liveness=liveness, poll=poll)
     return store.multi_get(list(keys))
+
+
+def leave_group(store: Any, rank: int, size: int) -> None:
+    """This rank is done with a group's namespace ``store``: it withdraws its will, marks itself
+    closed, and the rank that finds every rank closed deletes the whole namespace, so a group
+    that closes leaves no keys behind. A group with a dead rank keeps its keys (the next start-up
+    in the store skips and removes them). Never raises; takes at most ``LEAVE_TIMEOUT``."""
+    deadline = time.monotonic() + LEAVE_TIMEOUT
+    if not _mark_closed(store, rank, deadline):
+        return
+    try:
+        states = store.peek([_GONE.format(r) for r in range(size)], timeout=_left(deadline))
+        if all(s == b"closed" for s in states):
+            store.delete_prefix("", timeout=_left(deadline))
+    except (GpucollError, OSError):
+        pass
+
+
+def _mark_closed(store: Any, rank: int, deadline: float) -> bool:
+    """Withdraw ``rank``'s will and set its ``gone/`` key to closed; False if the store failed."""
+    key = _GONE.format(rank)
+    try:
+        store.clear_will(key, timeout=_left(deadline))
+        store.set(key, b"closed")
+        return True
+    except (GpucollError, OSError):
+        return False
+
+
+def _left(deadline: float) -> float:
+    return max(deadline - time.monotonic(), 0.001)
+
+
+def _gone(others: dict[int, str], what: str, rank: int, size: int) -> PeerFailure:
+    """The PeerFailure for ranks found gone: those that died first, then those that closed."""
+    died = sorted(r for r, how in others.items() if how != "closed")
+    closed = sorted(r for r, how in others.items() if how == "closed")
+    where = f"during {what} on rank {rank} of {size}"
+    parts = []
+    if died:
+        parts.append(f"{_ranks(died)} died {where} (the process ended or lost its connection "
+                     f"to the store)")
+    if closed:
+        parts.append(f"{_ranks(closed)} closed {'its' if len(closed) == 1 else 'their'} "
+                     f"communicator {where}")
+    return PeerFailure("; ".join(parts), peer=(died or closed)[0])
+
+
+def _ranks(ranks: list[int]) -> str:
+    return f"rank {ranks[0]}" if len(ranks) == 1 else f"ranks {', '.join(map(str, ranks))}"

@@ -63,6 +63,21 @@ class PrefixStore:
     def delete_key(self, key: str) -> bool:
         return self.store.delete_key(self._k(key))
 
+    def delete_prefix(self, prefix: str, *, timeout: float | None = None) -> int:
+        """Delete every key of this namespace that starts with ``prefix`` ("": all of them)."""
+        if not isinstance(prefix, str):
+            raise TypeError(f"delete_prefix: prefix must be a str, got {type(prefix).__name__}")
+        return self.store.delete_prefix(f"{self.prefix}/{prefix}", timeout=timeout)
+
+    def set_will(self, key: str, value: bytes | str, *, timeout: float | None = None) -> None:
+        self.store.set_will(self._k(key), value, timeout=timeout)
+
+    def clear_will(self, key: str, *, timeout: float | None = None) -> bool:
+        return self.store.clear_will(self._k(key), timeout=timeout)
+
+    def peek(self, keys: Sequence[str], *, timeout: float | None = None) -> list[bytes | None]:
+        return self.store.peek(self._ks(keys, "peek"), timeout=timeout)
+
     def num_keys(self) -> int:
         """Keys in the whole underlying store (as torch's PrefixStore reports)."""
         return self.store.num_keys()

@@ -1,4 +1,5 @@
-"""The store's wire format: length-prefixed frames shared by the server and the client.
+"""The store's wire format: length-prefixed frames, and the readers that cut them from a socket
+(``FrameReader`` on the server's non-blocking sockets, ``ReplyReader`` on a client's blocking one).
 
 A frame is a 13-byte header ``<IBII`` (payload bytes, op or status code, request id, argument
 count) followed by the payload: ``argc`` little-endian u32 lengths, then the arguments' bytes
@@ -14,8 +15,10 @@ import itertools
 import mmap
 import socket
 import struct
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from typing import NamedTuple
+
+from gpucoll.errors import FrameError
 
 VERSION = b"gpucoll-store/1"
 HEADER = struct.Struct("<IBII")
@@ -29,8 +32,6 @@ MAX_PAYLOAD = 0xFFFFFFFF  # the header's length field is 32 bits
 DEFAULT_MAX_VALUE_BYTES = 256 << 20
 # room for keys and lengths beside the largest value in one frame
 FRAME_SLACK = 1 << 20
-# before the token is checked a peer may send only this much (a hello is tiny)
-HELLO_LIMIT = 64 << 10
 RECV_CHUNK = 64 << 10  # recv(n) allocates n bytes first: larger costs more than it saves
 # payloads larger than one receive go straight into a buffer of their own: no regrowing
 _BIG_PAYLOAD = RECV_CHUNK
@@ -42,6 +43,9 @@ BIG_ARG = 64 << 10
 MAX_IOV = 512
 # one readable event reads at most this much of a large frame: other clients get their turn
 _FILL_PER_EVENT = 16 << 20
+# a silent peer (host gone, network cut) is found within about idle + interval * count seconds
+KEEPALIVE = (10, 5, 3)
+_USER_TIMEOUT_MS = 30_000  # data unacknowledged this long breaks the connection
 # frames this large are received into anonymous memory of their own rather than a bytearray:
 # malloc maps such sizes fresh anyway, and a bytearray would also zero every page first
 _MAP_FROM = 32 << 20
@@ -59,21 +63,16 @@ class Op(enum.IntEnum):
     NUM_KEYS = 9
     MULTI_GET = 10
     MULTI_SET = 11
+    SET_WILL = 12  # key, value: set key := value when this connection ends, unless cleared
+    CLEAR_WILL = 13
+    PEEK = 14  # keys -> a presence byte per key (b"1"/b"0"), then the present keys' values
+    DELETE_PREFIX = 15
 
 
 class Status(enum.IntEnum):
     OK = 0
     ERROR = 1
     TIMEOUT = 2
-
-
-class FrameError(ValueError):
-    """A frame that breaks the format; ``fatal`` when the stream cannot be resynchronised."""
-
-    def __init__(self, message: str, rid: int = NO_REPLY, fatal: bool = True):
-        super().__init__(message)
-        self.rid = rid
-        self.fatal = fatal
 
 
 class Frame(NamedTuple):
@@ -165,20 +164,52 @@ def decode_args(frame: Frame, views: bool = False) -> list[bytes]:
     return [bytes(view[a:b]) for a, b in itertools.pairwise(offsets)]
 
 
+def keep_alive(sock: socket.socket) -> None:
+    """TCP keepalive and a send timeout on a store connection, so that a peer whose host or
+    network vanished is noticed (its wills fire, its server's clients fail) in half a minute
+    rather than the kernel's two hours."""
+    sock.setsockopt(socket.SOL_SOCKET, socket.SO_KEEPALIVE, 1)
+    if hasattr(socket, "TCP_KEEPIDLE"):  # Linux; elsewhere the system's defaults apply
+        idle, interval, count = KEEPALIVE
+        sock.setsockopt(socket.IPPROTO_TCP, socket.TCP_KEEPIDLE, idle)
+        sock.setsockopt(socket.IPPROTO_TCP, socket.TCP_KEEPINTVL, interval)
+        sock.setsockopt(socket.IPPROTO_TCP, socket.TCP_KEEPCNT, count)
+    if hasattr(socket, "TCP_USER_TIMEOUT"):
+        sock.setsockopt(socket.IPPROTO_TCP, socket.TCP_USER_TIMEOUT, _USER_TIMEOUT_MS)
+
+
 def pack_timeout(seconds: float) -> bytes:
     return struct.pack("<d", seconds)
+
+
+class Reserve:
+    """Bytes that buffers of frames still arriving may hold before their data is in, shared by
+    every connection of a server. A buffer is zeroed when allocated, so without this bound a
+    header alone would make the server hold memory; past it, buffers are mapped lazily and take
+    memory only as their bytes arrive (fresh pages cost a fault each, so only past it)."""
+
+    def __init__(self, budget: int):
+        self.left = budget
 
 
 class FrameReader:
     """Accumulates bytes from a non-blocking socket (the server's side) and cuts them into
     frames no larger than ``limit``."""
 
-    def __init__(self, limit: int):
+    def __init__(self, limit: int, reserve: Reserve | None = None):
         self.limit = limit
+        self._reserve = reserve if reserve is not None else Reserve(_MAP_FROM)
+        self._held = 0  # what the unfinished large frame holds of the reserve
         self._buf: bytes | bytearray = b""  # an unfinished frame's first bytes
         self._big: bytearray | mmap.mmap | None = None
         self._fill = 0
         self._head: tuple[int, int, int] = (0, 0, 0)
+
+    def close(self) -> None:
+        """Give back the reserve held by an unfinished frame (its connection is gone)."""
+        self._reserve.left += self._held
+        self._held = 0
+        self._big, self._buf = None, b""
 
     def read_from(self, sock: socket.socket) -> list[Frame] | None:
         """One ``recv``; the frames it completed, or None when the peer closed the stream."""
@@ -218,7 +249,12 @@ class FrameReader:
         return frames, pos
 
     def _start_big(self, plen: int, code: int, rid: int, argc: int, data, start: int) -> None:
-        self._big = bytearray(plen) if plen < _MAP_FROM else mmap.mmap(-1, plen)
+        if plen < _MAP_FROM and plen <= self._reserve.left:
+            self._reserve.left -= plen
+            self._held = plen
+            self._big = bytearray(plen)
+        else:
+            self._big = mmap.mmap(-1, plen)
         self._fill = len(data) - start
         with memoryview(self._big) as view:
             view[:self._fill] = data[start:]
@@ -243,4 +279,79 @@ class FrameReader:
                 if budget <= 0:
                     return []
         payload, self._big = self._big, None
+        self._reserve.left += self._held
+        self._held = 0
         return [Frame(*self._head, payload)]
+
+
+class ReplyReader:
+    """Reads reply frames from ``sock`` (blocking, with a kernel receive timeout: SO_RCVTIMEO).
+
+    Each receive takes exactly the bytes the frame needs next (its header, then its payload, or
+    a large frame's argument table and then each argument), so a value is received straight
+    into the ``bytes`` object handed to the caller: no read-ahead buffer to copy out of, and no
+    lock (a buffered reader's lock, held by a thread blocked in a read when the process forks,
+    would stay held for good in the child).
+
+    Whenever a receive times out, ``tick()`` is called; it raises once the caller's deadline
+    has passed and may shorten the next receive's timeout. ``torn`` is True while a frame has
+    been started but not finished: a deadline then leaves the stream unusable.
+    """
+
+    def __init__(self, sock: socket.socket):
+        self._sock = sock
+        self.torn = False
+
+    def read_frame(self, tick: Callable[[], None]) -> tuple[int, int, list[bytes]] | None:
+        """The next frame as (code, request id, arguments); None when the peer closed the
+        stream. FrameError for a frame that breaks the format."""
+        head = self._exact(HEADER_SIZE, tick)
+        if head is None:
+            return None
+        self.torn = True
+        plen, code, rid, argc = HEADER.unpack(head)
+        table = 4 * argc
+        if plen < BIG_ARG or table > plen:  # small: one read, then slices of it
+            payload = self._exact(plen, tick)
+            if payload is None:
+                return None
+            self.torn = False
+            return code, rid, decode_args(Frame(code, rid, argc, payload))
+        raw = self._exact(table, tick)
+        if raw is None:
+            return None
+        lengths = struct.unpack(f"<{argc}I", raw)
+        if table + sum(lengths) != plen:
+            raise FrameError(f"argument lengths add up to {sum(lengths)} bytes, frame holds "
+                             f"{plen - table}", rid)
+        args = []
+        for n in lengths:
+            arg = self._exact(n, tick)
+            if arg is None:
+                return None
+            args.append(arg)
+        self.torn = False
+        return code, rid, args
+
+    def _exact(self, n: int, tick: Callable[[], None]) -> bytes | None:
+        """Exactly ``n`` bytes, or None at end of stream."""
+        if n == 0:
+            return b""
+        parts: list[bytes] = []
+        got = 0
+        while True:
+            try:
+                data = self._sock.recv(n - got, socket.MSG_WAITALL)
+            except (BlockingIOError, InterruptedError):  # the kernel's receive timeout
+                data = None
+            if data is not None:
+                if not data:
+                    return None
+                if len(data) == n:
+                    return data  # the common case: one call
+                parts.append(data)
+                got += len(data)
+                if got == n:
+                    return b"".join(parts)
+                self.torn = True
+            tick()  # the receive timed out (or came up short): is there time left?
