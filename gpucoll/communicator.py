@@ -44,12 +44,13 @@ from gpucoll.errors import (
     CollectiveMismatch,
     CollectiveTimeout,
     GpucollError,
-    StoreTimeout,
+    PeerFailure,
+    StoreError,
     UsageError,
 )
 from gpucoll.progress import KIND
 from gpucoll.signature import SignatureCheck
-from gpucoll.store.gather import leave_group
+from gpucoll.store.gather import Liveness, gather, leave_group
 from gpucoll.validation import Call, check_timeout
 from gpucoll.work import Work
 
@@ -109,7 +110,8 @@ class Communicator:
         self.timeout = check_timeout(timeout, "timeout", "Communicator")
         self._store = store
         self._owned_store = owned_store
-        self._liveness = liveness
+        self._liveness = liveness if liveness is not None else Liveness.of(
+            store, self.rank, self.size)  # a rank that dies while others wait in the store
         self._progress = backend.progress
         self._closed = False
         self._forked = False
@@ -121,7 +123,7 @@ class Communicator:
         self._agreements = 0  # values agreed through the store so far
         self._children: list[Communicator] = []
         self._calls: dict[str, Call] = {}
-        self._check = SignatureCheck(store, self.rank, self.size) if (
+        self._check = SignatureCheck(store, self.rank, self.size, self._liveness) if (
             debug_enabled() if debug is None else debug) else None
         _LIVE.add(self)
 
@@ -483,7 +485,7 @@ class Communicator:
         sig = {"call": c.name, "dtype": None, "shape": None, **fields}
         if ref is not None:
             sig["dtype"], sig["shape"] = ref.dtype.name, list(ref.shape)
-        self._check.collective(seq, sig, t, c.where)
+        self._in_store(lambda: self._check.collective(seq, sig, t, c.name))
         return seq
 
     def _pair_signature(self, c: Call, ref: ArrayRef, peer: int,
@@ -492,7 +494,18 @@ class Communicator:
             return None
         sig = {"call": c.name, "dtype": ref.dtype.name, "shape": list(ref.shape),
                "count": ref.count, "peer": peer}
-        return self._check.point_to_point(peer, sending, sig, c.where)
+        verify = self._check.point_to_point(peer, sending, sig, c.name)
+        return lambda timeout: self._in_store(lambda: verify(timeout))
+
+    def _in_store(self, step: Callable[[], Any]) -> Any:
+        """Run ``step``, which meets other ranks in the store. A rank lost or late there ends
+        the group as a failed collective does: the backend is aborted with the error, so that
+        later calls, close() and the peers know it was reported."""
+        try:
+            return step()
+        except (PeerFailure, CollectiveTimeout, StoreError) as exc:
+            self._backend.abort(exc)
+            raise
 
     # -- agreeing on small values before a call ---------------------------------------------
 
@@ -514,7 +527,7 @@ class Communicator:
                                      lambda: b.all_gather(x, out, timeout=t)))
             return [row[2:2 + struct.unpack("<H", row[:2].tobytes())[0]].tobytes()
                     for row in every]
-        return self._share(value, t, c)
+        return self._in_store(lambda: self._share(value, t, c))
 
     def _share(self, value: bytes, t: float, c: Call) -> list[bytes]:
         """Every rank's ``value`` in rank order, through the store; collective. A rank deletes
@@ -523,12 +536,8 @@ class Communicator:
         self._agreements += 1
         keys = [f"agree/{n}/{r}" for r in range(self.size)]
         self._store.set(keys[self.rank], value)
-        try:
-            values = list(self._store.multi_get(keys, timeout=t))
-        except StoreTimeout:
-            missing = [r for r, k in enumerate(keys) if not self._store.check([k])]
-            raise CollectiveTimeout(f"{c.where}: ranks {missing} did not call it within "
-                                    f"{t:g} s") from None
+        values = gather(self._store, keys, t, what=c.name, rank=self.rank,
+                        absent="did not call it", liveness=self._liveness)
         if n >= 2:
             self._store.delete_key(f"agree/{n - 2}/{self.rank}")
         return values

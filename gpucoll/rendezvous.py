@@ -282,8 +282,12 @@ def connect_store(rdv: Rendezvous, timeout: float = 300.0):
     other rank connects, retrying until ``timeout`` while rank 0 starts up."""
     from gpucoll.store import TCPStore
 
-    if rdv.store_is_running or rdv.rank != 0:
+    if rdv.store_is_running:
         return TCPStore(rdv.store_host, rdv.store_port, timeout=timeout, token=rdv.token)
+    if rdv.rank != 0:
+        store = TCPStore(rdv.store_host, rdv.store_port, timeout=timeout, token=rdv.token)
+        store.hosted_by = 0  # losing the store means losing rank 0 (store_host_rank)
+        return store
     if _is_loopback(rdv.store_host):
         return TCPStore(rdv.store_host, rdv.store_port, is_server=True, timeout=timeout,
                         token=rdv.token)

@@ -13,7 +13,8 @@ import json
 from collections.abc import Callable
 from typing import Any
 
-from gpucoll.errors import CollectiveMismatch, CollectiveTimeout, StoreTimeout
+from gpucoll.errors import CollectiveMismatch
+from gpucoll.store.gather import Liveness, fetch, gather
 
 # Signature fields a rank may leave unknown (None): scatter's non-roots without out= learn the
 # slot's dtype and shape from the root.
@@ -43,15 +44,17 @@ def compatible(a: dict[str, Any], b: dict[str, Any]) -> bool:
 class SignatureCheck:
     """The debug check of one communicator; ``store`` is its namespace."""
 
-    def __init__(self, store: Any, rank: int, size: int):
+    def __init__(self, store: Any, rank: int, size: int, liveness: Liveness | None = None):
         self.store, self.rank, self.size = store, rank, size
+        self.liveness = liveness  # a rank that dies during a check is named at once
         self._channels: dict[str, int] = {}  # "src->dst" -> messages so far
 
-    def collective(self, seq: int, sig: dict[str, Any], timeout: float, where: str) -> None:
+    def collective(self, seq: int, sig: dict[str, Any], timeout: float, name: str) -> None:
         """Raise CollectiveMismatch unless all ranks call ``sig`` as their call ``seq``."""
+        where = self._where(name)
         sig = {**sig, "seq": seq}
         keys = [f"debug/{seq}/{r}" for r in range(self.size)]
-        sigs = self._exchange(keys, self.rank, sig, timeout, where)
+        sigs = self._exchange(keys, sig, timeout, name)
         if seq >= 2:
             self.store.delete_key(f"debug/{seq - 2}/{self.rank}")
         # every rank compares against the same signature: the root's, as rank 0 names it
@@ -71,7 +74,7 @@ class SignatureCheck:
         )
 
     def point_to_point(self, peer: int, sending: bool, sig: dict[str, Any],
-                       where: str) -> Callable[[float], None]:
+                       name: str) -> Callable[[float], None]:
         """Publish this side of a send/recv now; return the check to run just before the
         transfer (it waits for the peer's side, so async sends never block the issuing thread).
 
@@ -87,37 +90,33 @@ class SignatureCheck:
         self.store.set(mine, json.dumps(sig))
 
         def verify(timeout: float) -> None:
-            try:
-                other = json.loads(self.store.get(theirs, timeout=timeout))
-            except StoreTimeout:
-                raise CollectiveTimeout(
-                    f"{where}: rank {peer} did not make the {'recv' if sending else 'send'} "
-                    f"matching {describe(sig)} within {timeout:g} s (GPUCOLL_DEBUG signature "
-                    f"check)") from None
+            other = json.loads(fetch(
+                self.store, theirs, peer, timeout, what=name, rank=self.rank,
+                absent=f"did not make the {'recv' if sending else 'send'} matching "
+                       f"{describe(sig)} (GPUCOLL_DEBUG signature check)",
+                liveness=self.liveness))
             if self.store.add(f"{base}/read", 1) == 2:  # both sides have read: clean up
                 for key in (mine, theirs, f"{base}/read"):
                     self.store.delete_key(key)
             if other["dtype"] != sig["dtype"] or other["count"] != sig["count"]:
                 raise CollectiveMismatch(
-                    f"{where}: message #{n} from rank {src} to rank {dst} does not match: rank "
-                    f"{self.rank} called {describe(sig)} with {sig['count']} elements, rank "
-                    f"{peer} called {describe(other)} with {other['count']} elements")
+                    f"{self._where(name)}: message #{n} from rank {src} to rank {dst} does "
+                    f"not match: rank {self.rank} called {describe(sig)} with {sig['count']} "
+                    f"elements, rank {peer} called {describe(other)} with {other['count']} "
+                    f"elements")
 
         return verify
 
-    def _exchange(self, keys: list[str], index: int, sig: dict[str, Any], timeout: float,
-                  where: str, ranks: tuple[int, ...] | None = None) -> list[dict[str, Any]]:
-        self.store.set(keys[index], json.dumps(sig))
-        try:
-            self.store.wait(keys, timeout=timeout)
-        except StoreTimeout:
-            ranks = ranks or tuple(range(self.size))
-            missing = [r for r, k in zip(ranks, keys, strict=True) if not self.store.check([k])]
-            raise CollectiveTimeout(
-                f"{where}: {_ranks(missing)} did not make call {describe(sig)} within "
-                f"{timeout:g} s (GPUCOLL_DEBUG signature check)"
-            ) from None
-        return [json.loads(v) for v in self.store.multi_get(keys)]
+    def _exchange(self, keys: list[str], sig: dict[str, Any], timeout: float,
+                  name: str) -> list[dict[str, Any]]:
+        self.store.set(keys[self.rank], json.dumps(sig))
+        values = gather(self.store, keys, timeout, what=name, rank=self.rank,
+                        absent=f"did not make call {describe(sig)} (GPUCOLL_DEBUG signature "
+                               f"check)", liveness=self.liveness)
+        return [json.loads(v) for v in values]
+
+    def _where(self, name: str) -> str:
+        return f"{name} on rank {self.rank} of {self.size}"
 
 
 def _ranks(ranks: list[int]) -> str:

@@ -7,6 +7,7 @@ import os
 import re
 import signal
 import threading
+import time
 
 import numpy as np
 import pytest
@@ -100,7 +101,8 @@ def test_debug_mode_catches_send_and_recv_of_different_sizes(store_addr):
 def _debug_missing_rank(rank: int, n: int, addr: str) -> str | None:
     with gpucoll.init("ring", rank=rank, world_size=n, store=addr, timeout=30) as comm:
         if rank == 1:
-            return None  # never makes the call
+            time.sleep(2.0)  # never makes the call (while it stays, else its leaving is named)
+            return None
         try:
             comm.all_reduce(np.ones(2), timeout=1.0)
         except CollectiveTimeout as exc:

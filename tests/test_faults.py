@@ -12,6 +12,7 @@ from __future__ import annotations
 
 import os
 import signal
+import socket
 import threading
 import time
 
@@ -116,6 +117,75 @@ def test_a_rank_killed_before_split_fails_the_others_fast(store_addr, transport,
     outcomes = spawn(_rank_dies_before_split, n, store_addr, env=_env(transport), check=False)
     for o in outcomes[:-1]:
         _check(o.value, PeerFailure, n - 1, "split #1 on rank", f"rank {n - 1}")
+
+
+def _rank_dies_before_debug_check(rank, n, addr):
+    side = _side(addr)
+    with _open(rank, n, addr) as comm:
+        comm.barrier()
+        if rank == n - 1:
+            _die(side)
+        try:
+            comm.all_reduce(np.ones(4))
+        except GpucollError as exc:
+            return _outcome(exc, side)
+
+
+@pytest.mark.parametrize("transport", TRANSPORTS)
+@pytest.mark.parametrize("n", WORLDS)
+def test_a_rank_killed_before_the_debug_check_fails_the_others_fast(store_addr, transport, n):
+    outcomes = spawn(_rank_dies_before_debug_check, n, store_addr, check=False,
+                     env=_env(transport, GPUCOLL_DEBUG="1"))
+    for o in outcomes[:-1]:
+        _check(o.value, PeerFailure, n - 1, "all_reduce on rank", f"rank {n - 1} died")
+
+
+def _rank_dies_in_set_up(rank, n, addr):
+    from gpucoll.transport import mesh
+
+    side = _side(addr)
+    if rank == n - 1:  # dies after joining the group, before publishing its address
+        mesh.advertised_host = lambda store: _die(side)
+    try:
+        _open(rank, n, addr).close()
+    except GpucollError as exc:
+        return _outcome(exc, side)
+
+
+@pytest.mark.parametrize("transport", TRANSPORTS)
+@pytest.mark.parametrize("n", WORLDS)
+def test_a_rank_killed_during_set_up_is_named_fast(store_addr, transport, n):
+    outcomes = spawn(_rank_dies_in_set_up, n, store_addr, env=_env(transport), check=False)
+    for o in outcomes[:-1]:
+        _check(o.value, PeerFailure, n - 1, "ring set-up on rank", f"rank {n - 1} died")
+
+
+def _store_host_dies(rank, n, addr, port):
+    side = _side(addr)
+    os.environ.update(GPUCOLL_RANK=str(rank), GPUCOLL_WORLD_SIZE=str(n),
+                      GPUCOLL_MASTER_ADDR="127.0.0.1", GPUCOLL_MASTER_PORT=str(port))
+    comm = gpucoll.init("ring", timeout=LONG)  # rank 0 hosts the job's store
+    try:
+        comm.barrier()
+        if rank == 0:
+            _die(side)
+        comm.all_reduce(np.ones(4))
+    except GpucollError as exc:
+        return _outcome(exc, side)
+    finally:
+        comm.close()
+
+
+@pytest.mark.parametrize("transport", TRANSPORTS)
+@pytest.mark.parametrize("n", WORLDS)
+def test_losing_the_store_that_rank_0_hosts_names_rank_0(store_addr, transport, n):
+    with socket.socket() as probe:  # a port nobody listens on, for rank 0's store
+        probe.bind(("127.0.0.1", 0))
+        port = probe.getsockname()[1]
+    outcomes = spawn(_store_host_dies, n, store_addr, port, check=False,
+                     env=_env(transport, GPUCOLL_DEBUG="1"))
+    for o in outcomes[1:]:
+        _check(o.value, PeerFailure, 0, "all_reduce on rank", "lost the store, which rank 0")
 
 
 def _killed_mid_all_reduce(rank, n, addr):

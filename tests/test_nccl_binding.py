@@ -93,8 +93,8 @@ def test_complex_sums_travel_as_float_pairs_and_complex_prod_is_refused():
 
 
 def test_the_real_unique_id_travels_through_the_store(store_server):
-    sent = nccl_boot.share_unique_id(store_server, 0, nccl, timeout=5)
-    got = nccl_boot.share_unique_id(store_server, 1, nccl, timeout=5)
+    sent = nccl_boot.share_unique_id(store_server, 0, 2, nccl, timeout=5)
+    got = nccl_boot.share_unique_id(store_server, 1, 2, nccl, timeout=5)
     assert len(sent) == 128 and got == sent
     assert nccl_boot.uid_to_bytes(nccl_boot.uid_to_tuple(sent)) == sent  # CuPy < 14's form
 

@@ -26,7 +26,7 @@ def test_a_missing_rank_is_a_collective_timeout_naming_it_and_the_operation(stor
     keys = [f"m/{r}" for r in range(3)]
     store_server.set(keys[0], "here")
     store_server.set(keys[2], "here")
-    expected = r"exchange on rank 0 of 3: rank\(s\) \[1\] never arrived within [0-9.]+ s"
+    expected = r"exchange on rank 0 of 3: rank 1 never arrived within [0-9.]+ s"
     with pytest.raises(CollectiveTimeout, match=expected + r" \(timeout=0.2 s\)"):
         gather(store_server, keys, 0.2, what="exchange", rank=0)
 
@@ -37,7 +37,7 @@ def test_keys_already_there_need_no_time_at_all(store_server):
 
 
 def test_absent_says_what_the_missing_ranks_did_not_do(store_server):
-    with pytest.raises(CollectiveTimeout, match=r"split on rank 1 of 2: rank\(s\) \[0\] did "
+    with pytest.raises(CollectiveTimeout, match=r"split on rank 1 of 2: rank 0 did "
                                                 r"not call it"):
         store_server.set("s/1", b"here")
         wait_for_ranks(store_server, ["s/0", "s/1"], 0.1, what="split", rank=1,
@@ -143,7 +143,7 @@ def test_a_rank_that_never_comes_is_a_timeout_naming_it_at_the_deadline(store_se
     for r in (0, 2):
         kind, seconds, message = _outcome(outcomes[r])
         assert kind == "CollectiveTimeout(None)" and seconds >= 2.0
-        assert message.startswith(f"split on rank {r} of 3: rank(s) [1] never arrived within")
+        assert message.startswith(f"split on rank {r} of 3: rank 1 never arrived within")
 
 
 # ----------------------------------------------------------------------------- leaving a group

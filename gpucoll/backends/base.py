@@ -20,6 +20,7 @@ import abc
 from collections.abc import Callable
 from typing import TYPE_CHECKING, Any, ClassVar
 
+from gpucoll.errors import GpucollError
 from gpucoll.progress import Progress
 
 if TYPE_CHECKING:
@@ -129,8 +130,9 @@ class Backend(abc.ABC):
         rank whose ``color`` is None. ``store`` is the new group's namespace."""
 
     @abc.abstractmethod
-    def abort(self, reason: str) -> None:
-        """Fail every pending and future call fast with ``reason``; safe from any thread."""
+    def abort(self, reason: str | GpucollError) -> None:
+        """Fail every pending and future call fast with ``reason`` (a message, or the error that
+        ended the group: later calls say they are unusable after it); safe from any thread."""
 
     @abc.abstractmethod
     def close(self) -> None:

@@ -54,7 +54,7 @@ class NcclBackend(Backend):
         self.device = nccl_boot.select_device(self._rt, rank, device)
         if _comm is None:
             nccl_boot.arrive(store, rank, size, timeout)
-            raw = nccl_boot.share_unique_id(store, rank, self._nccl, timeout)
+            raw = nccl_boot.share_unique_id(store, rank, size, self._nccl, timeout)
             _comm = self._call("NCCL start-up", nccl_boot.create_comm, self._nccl, size, raw, rank)
         self._comm = _comm
         self._lock = threading.Lock()
@@ -316,8 +316,9 @@ class NcclBackend(Backend):
         except Exception:  # noqa: BLE001 - the failure recorded above is what callers see
             pass
 
-    def abort(self, reason: str) -> None:
-        self._fail(GpucollError(f"nccl backend on rank {self.rank} aborted: {reason}"))
+    def abort(self, reason: str | GpucollError) -> None:
+        self._fail(reason if isinstance(reason, GpucollError) else GpucollError(
+            f"nccl backend on rank {self.rank} aborted: {reason}"))
 
     def close(self) -> None:
         """Wait (within the deadline) for enqueued work, then destroy the communicator; after

@@ -11,7 +11,7 @@ import json
 from typing import Any
 
 from gpucoll import cuda
-from gpucoll.store.gather import gather
+from gpucoll.store.gather import Liveness, gather
 
 KEY = "auto/{}"
 
@@ -47,7 +47,8 @@ def agree(store: Any, rank: int, size: int, timeout: float) -> tuple[str, str]:
     keys = [KEY.format(r) for r in range(size)]
     store.set(keys[rank], json.dumps([ok, why]))
     values = gather(store, keys, timeout, what="backend='auto'", rank=rank,
-                    absent="did not report whether they can use NCCL")
+                    absent="did not report whether it can use NCCL",
+                    liveness=Liveness.of(store, rank, size))
     verdicts = [json.loads(v) for v in values]
     unable = [(r, reason) for r, (usable, reason) in enumerate(verdicts) if not usable]
     if not unable:

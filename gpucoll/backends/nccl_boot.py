@@ -11,8 +11,8 @@ from __future__ import annotations
 import os
 from typing import Any
 
-from gpucoll.errors import BackendUnavailable, CollectiveTimeout, StoreTimeout
-from gpucoll.store.gather import wait_for_ranks
+from gpucoll.errors import BackendUnavailable
+from gpucoll.store.gather import Liveness, fetch, wait_for_ranks
 
 UID_KEY = "nccl/unique_id"
 ARRIVE_KEY = "nccl/arrived/{}"
@@ -54,7 +54,7 @@ def arrive(store: Any, rank: int, size: int, timeout: float, what: str = "NCCL s
     ranks that never did."""
     store.set(ARRIVE_KEY.format(rank), str(rank))
     wait_for_ranks(store, [ARRIVE_KEY.format(r) for r in range(size)], timeout, what=what,
-                   rank=rank)
+                   rank=rank, liveness=Liveness.of(store, rank, size))
 
 
 def uid_to_bytes(uid: bytes | tuple) -> bytes:
@@ -71,19 +71,16 @@ def uid_to_tuple(raw: bytes) -> tuple[int, ...]:
     return tuple(b - 256 if b > 127 else b for b in raw)
 
 
-def share_unique_id(store: Any, rank: int, nccl: Any, timeout: float, root: int = 0) -> bytes:
+def share_unique_id(store: Any, rank: int, size: int, nccl: Any, timeout: float,
+                    root: int = 0) -> bytes:
     """Rank ``root`` makes the unique id and publishes it; every rank returns its bytes."""
     if rank == root:
         raw = uid_to_bytes(nccl.get_unique_id())
         store.set(UID_KEY, raw)
         return raw
-    try:
-        return uid_to_bytes(store.get(UID_KEY, timeout=timeout))
-    except StoreTimeout:
-        raise CollectiveTimeout(
-            f"NCCL start-up on rank {rank}: rank {root} did not publish the unique id within "
-            f"{timeout:g} s"
-        ) from None
+    return uid_to_bytes(fetch(store, UID_KEY, root, timeout, what="NCCL start-up", rank=rank,
+                              absent="did not publish the unique id",
+                              liveness=Liveness.of(store, rank, size)))
 
 
 def create_comm(nccl: Any, size: int, raw_uid: bytes, rank: int) -> Any:

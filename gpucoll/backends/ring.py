@@ -479,8 +479,9 @@ class RingBackend(Backend):
             return None
         return RingBackend(store, rank, size, timeout=timeout, transport=self._transport_arg)
 
-    def abort(self, reason: str) -> None:
-        err = GpucollError(f"rank {self.rank} aborted: {reason}")
+    def abort(self, reason: str | GpucollError) -> None:
+        err = reason if isinstance(reason, GpucollError) else GpucollError(
+            f"rank {self.rank} aborted: {reason}")
         if self._state.failure is None:
             self._state.failure = err
         try:  # wake a call blocked in the engine; -1 once released

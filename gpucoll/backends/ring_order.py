@@ -13,7 +13,7 @@ import os
 from typing import Any
 
 from gpucoll import cuda
-from gpucoll.errors import CollectiveTimeout, StoreTimeout
+from gpucoll.store.gather import Liveness, fetch
 
 KEY = "ring/order"
 
@@ -66,8 +66,6 @@ def agree_order(store: Any, rank: int, size: int, *, same_host: bool,
         order = topology_order(size) if same_host else None
         store.set(KEY, json.dumps(order))
         return order
-    try:
-        return json.loads(store.get(KEY, timeout=timeout))
-    except StoreTimeout:
-        raise CollectiveTimeout(f"ring set-up on rank {rank} of {size}: rank 0 did not publish "
-                                f"the ring order within {timeout:g} s") from None
+    return json.loads(fetch(store, KEY, 0, timeout, what="ring set-up", rank=rank,
+                            absent="did not publish the ring order",
+                            liveness=Liveness.of(store, rank, size)))

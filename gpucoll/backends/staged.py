@@ -22,7 +22,7 @@ import numpy as np
 from gpucoll import cuda
 from gpucoll.arrays import ArrayRef, as_ref
 from gpucoll.backends.base import Backend
-from gpucoll.errors import CollectiveTimeout
+from gpucoll.errors import CollectiveTimeout, GpucollError
 from gpucoll.ops import ReduceOp
 
 CHUNK_BYTES = 4 << 20
@@ -230,7 +230,7 @@ class StagedBackend(Backend):
         sub = self.inner.split(store, rank, size, color, key, timeout=timeout)
         return None if sub is None else StagedBackend(sub, chunk_bytes=self.chunk_bytes)
 
-    def abort(self, reason: str) -> None:
+    def abort(self, reason: str | GpucollError) -> None:
         self.inner.abort(reason)
 
     def close(self) -> None:

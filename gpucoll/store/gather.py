@@ -14,7 +14,7 @@ import time
 from collections.abc import Sequence
 from typing import Any
 
-from gpucoll.errors import CollectiveTimeout, GpucollError, PeerFailure, StoreTimeout
+from gpucoll.errors import CollectiveTimeout, GpucollError, PeerFailure, StoreError, StoreTimeout
 
 POLL = 0.5  # longest wait in the store between two looks at which ranks are gone
 LEAVE_TIMEOUT = 5.0  # what leaving a group may take at most: the store may be unresponsive
@@ -31,9 +31,18 @@ class Liveness:
 
     def __init__(self, store: Any, rank: int, size: int):
         self.store, self.rank, self.size = store, rank, size
+        self.host = store_host_rank(store)
         self._keys = [_GONE.format(r) for r in range(size)]
         self._left = False
         store.set_will(self._keys[rank], b"died")
+
+    @classmethod
+    def of(cls, store: Any, rank: int, size: int) -> Liveness | None:
+        """This rank's liveness in namespace ``store``, or None for a store that keeps no
+        wills (a user's own store class): waits there fall back to the deadline alone."""
+        if not (hasattr(store, "set_will") and hasattr(store, "peek")):
+            return None
+        return cls(store, rank, size)
 
     def leave(self) -> None:
         """Clean exit: withdraw the will and set ``gone/{rank} = b"closed"``. Idempotent; never
@@ -41,6 +50,14 @@ class Liveness:
         if not self._left:
             self._left = True
             _mark_closed(self.store, self.rank, time.monotonic() + LEAVE_TIMEOUT)
+
+    def check(self, what: str, ranks: Sequence[int] | None = None) -> None:
+        """Raise PeerFailure naming the ranks (of ``ranks``; by default all others) found gone,
+        for operation ``what`` on this rank."""
+        others = {r: how for r, how in self.gone().items()
+                  if r != self.rank and (ranks is None or r in ranks)}
+        if others:
+            raise _gone(others, what, self.rank, self.size)
 
     def gone(self) -> dict[int, str]:
         """``{rank: "died" | "closed"}`` for the ranks whose ``gone/`` key exists (one peek)."""
@@ -50,15 +67,19 @@ class Liveness:
 
 def wait_for_ranks(store: Any, keys: Sequence[str], timeout: float, *, what: str, rank: int,
                    absent: str = "never arrived", liveness: Liveness | None = None,
-                   poll: float = POLL) -> None:
-    """Block until ``keys[r]`` (rank r's key) is in ``store`` for every r.
+                   poll: float = POLL, ranks: Sequence[int] | None = None) -> None:
+    """Block until ``keys[i]`` (rank ``ranks[i]``'s key; by default rank i's) is in ``store``
+    for every i.
 
     At the deadline: a CollectiveTimeout saying, for operation ``what`` on ``rank``, which ranks
     are ``absent`` and after how long. With ``liveness`` the wait goes in slices of ``poll``
-    seconds, and between them a rank found gone raises PeerFailure naming it: "rank 2 died
-    during split on rank 0 of 3", or that it closed its communicator.
+    seconds, and between them one of those ranks found gone raises PeerFailure naming it: "rank
+    2 died during split on rank 0 of 3", or that it closed its communicator; losing the store
+    that a rank of the group hosts is a PeerFailure naming that rank.
     """
     keys = list(keys)
+    ranks = list(range(len(keys)) if ranks is None else ranks)
+    size = liveness.size if liveness is not None else len(keys)
     start = time.monotonic()
     deadline = start + timeout
     while True:
@@ -68,24 +89,37 @@ def wait_for_ranks(store: Any, keys: Sequence[str], timeout: float, *, what: str
             return
         except StoreTimeout:
             pass
+        except StoreError as exc:
+            if liveness is None or liveness.host in (None, rank):
+                raise
+            raise PeerFailure(
+                f"{what} on rank {rank} of {size}: lost the store, which rank {liveness.host} "
+                f"hosts (rank {liveness.host} died or closed it): {exc}",
+                peer=liveness.host) from None
         if liveness is not None:
-            others = {r: how for r, how in liveness.gone().items() if r != rank}
-            if others:
-                raise _gone(others, what, rank, len(keys))
+            liveness.check(what, ranks)
         if time.monotonic() >= deadline:
-            missing = [r for r, v in enumerate(store.peek(keys)) if v is None]
+            missing = [r for r, v in zip(ranks, store.peek(keys), strict=True) if v is None]
             raise CollectiveTimeout(
-                f"{what} on rank {rank} of {len(keys)}: rank(s) {missing} {absent} within "
+                f"{what} on rank {rank} of {size}: {_ranks(missing)} {absent} within "
                 f"{time.monotonic() - start:.1f} s (timeout={timeout:g} s)")
 
 
 def gather(store: Any, keys: Sequence[str], timeout: float, *, what: str, rank: int,
            absent: str = "never arrived", liveness: Liveness | None = None,
-           poll: float = POLL) -> list[bytes]:
+           poll: float = POLL, ranks: Sequence[int] | None = None) -> list[bytes]:
     """Every rank's value (rank order) once all are in ``store``; errors as ``wait_for_ranks``."""
     wait_for_ranks(store, keys, timeout, what=what, rank=rank, absent=absent,
-                   liveness=liveness, poll=poll)
+                   liveness=liveness, poll=poll, ranks=ranks)
     return store.multi_get(list(keys))
+
+
+def fetch(store: Any, key: str, owner: int, timeout: float, *, what: str, rank: int,
+          absent: str, liveness: Liveness | None = None) -> bytes:
+    """The value of ``key``, which rank ``owner`` publishes; errors as ``wait_for_ranks``."""
+    wait_for_ranks(store, [key], timeout, what=what, rank=rank, absent=absent,
+                   liveness=liveness, ranks=[owner])
+    return store.get(key)
 
 
 def leave_group(store: Any, rank: int, size: int) -> None:
@@ -113,6 +147,16 @@ def _mark_closed(store: Any, rank: int, deadline: float) -> bool:
         return True
     except (GpucollError, OSError):
         return False
+
+
+def store_host_rank(store: Any) -> int | None:
+    """The rank of the group whose process hosts ``store`` (``hosted_by`` on the client, set
+    where a launcher's rank 0 serves it), looked up through PrefixStore wrappers."""
+    for _ in range(16):
+        if store is None or hasattr(store, "hosted_by"):
+            break
+        store = getattr(store, "store", None)
+    return getattr(store, "hosted_by", None)
 
 
 def _left(deadline: float) -> float:

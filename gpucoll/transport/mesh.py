@@ -21,7 +21,7 @@ import uuid
 import weakref
 
 from gpucoll.errors import BackendUnavailable, CollectiveTimeout, PeerFailure
-from gpucoll.store.gather import gather
+from gpucoll.store.gather import POLL, Liveness, gather
 from gpucoll.transport import shm, tcp
 
 TRANSPORTS = ("auto", "shm", "tcp")
@@ -144,6 +144,8 @@ class Mesh:
         self._listeners.append(tcp_listener)
         unix_name = f"{prefix[:40]}-{nonce.hex()}-{rank}"  # abstract names hold 107 bytes
         self._listeners.append(_listen_unix(unix_name, 2 * size + 16))
+        if self._liveness is None:  # a rank that dies during set-up is named at once
+            self._liveness = Liveness.of(store, rank, size)
         me = {"host": advertised_host(store), "port": tcp_listener.getsockname()[1],
               "unix": unix_name, "id": host_identity(), "nonce": nonce.hex(),
               "pid": os.getpid(), "progress": self._progress_fd}
@@ -164,8 +166,8 @@ class Mesh:
     def _gather_addresses(self, store, deadline: float) -> list[dict]:
         keys = [f"ring/addr/{j}" for j in range(self.size)]
         values = gather(store, keys, max(deadline - time.monotonic(), 0.001), what="ring set-up",
-                        rank=self.rank, absent="did not publish their addresses",
-                        **({"liveness": self._liveness} if self._liveness is not None else {}))
+                        rank=self.rank, absent="did not publish an address",
+                        liveness=self._liveness)
         return [json.loads(v) for v in values]
 
     def _pair_kind(self, me: dict, peer: dict, j: int) -> str | None:
@@ -197,7 +199,8 @@ class Mesh:
         channels = (CONTROL,) if kind == "shm" else (CONTROL, DATA)
         for channel in channels:
             if kind == "tcp":
-                sock = tcp.connect_tcp(peer["host"], peer["port"], deadline, what)
+                sock = tcp.connect_tcp(peer["host"], peer["port"], deadline, what,
+                                       check=lambda: self._check_alive([j]))
             else:
                 sock = self._connect_unix(j, peer, deadline)
             (self.control if channel == CONTROL else data)[j] = sock
@@ -233,7 +236,9 @@ class Mesh:
                 missing = sorted({j for j, _ in expected})
                 raise CollectiveTimeout(
                     f"ring set-up on rank {self.rank}: ranks {missing} did not connect in time")
-            ready, _, _ = select.select(self._listeners, [], [], remaining)
+            ready, _, _ = select.select(self._listeners, [], [], min(remaining, POLL))
+            if not ready:
+                self._check_alive(sorted({j for j, _ in expected}))
             for listener in ready:
                 sock, _ = listener.accept()
                 try:
@@ -249,6 +254,11 @@ class Mesh:
                     continue
                 expected.discard((j, channel))
                 (self.control if channel == CONTROL else data)[j] = sock
+
+    def _check_alive(self, ranks: list[int]) -> None:
+        """PeerFailure if one of ``ranks`` died or left since set-up began (its store will)."""
+        if self._liveness is not None:
+            self._liveness.check("ring set-up", ranks)
 
     def _share_rings(self, shm_peers: list[int], prefix: str, deadline: float) -> None:
         """Create each inbound ring, pass it and our doorbell to the peer, map theirs."""

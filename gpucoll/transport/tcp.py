@@ -13,6 +13,7 @@ import socket
 import struct
 import termios
 import time
+from collections.abc import Callable
 
 import numpy as np
 
@@ -43,10 +44,14 @@ def listen_tcp(backlog: int) -> socket.socket:
     return sock
 
 
-def connect_tcp(host: str, port: int, deadline: float, what: str) -> socket.socket:
-    """Connect, retrying refused attempts until ``deadline``; CollectiveTimeout naming ``what``."""
+def connect_tcp(host: str, port: int, deadline: float, what: str,
+                check: Callable[[], None] | None = None) -> socket.socket:
+    """Connect, retrying refused attempts until ``deadline``; CollectiveTimeout naming ``what``.
+    ``check`` runs before each retry: it raises to give up early (the peer is known gone)."""
     delay = 0.01
     while True:
+        if check is not None and delay > 0.01:
+            check()
         remaining = deadline - time.monotonic()
         if remaining <= 0:
             raise CollectiveTimeout(f"could not connect to {what} at {host}:{port} in time")

@@ -1,0 +1,170 @@
+"""How soon the surviving ranks raise after a fault: the bounds the README's Errors section
+states, measured on the host ring.
+
+Each scenario starts a fresh group of ``--ranks`` processes on one transport, makes one rank
+fail (killed with SIGKILL, stopped with SIGSTOP, or calling something else), and records on
+every other rank the error it raised, the rank it named and the seconds from the fault (the
+faulty rank writes the time to the store just before it happens) to the error. A stopped rank
+is only found at the call's deadline (``--deadline``), so for it the table shows the seconds
+past that deadline: the time spent naming the rank that is behind.
+
+    python benchmarks/faults.py [--ranks 3] [--repeats 5] [--json results/faults.json]
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import multiprocessing as mp
+import os
+import signal
+import statistics
+import time
+from pathlib import Path
+
+import numpy as np
+
+import gpucoll
+from gpucoll.errors import GpucollError
+from gpucoll.store import TCPStore
+
+DEFAULT_JSON = Path(__file__).resolve().parent.parent / "results" / "faults.json"
+
+
+def _killed_in_all_reduce(comm, side, deadline):
+    """The last rank dies (SIGKILL) while the others are inside all_reduce."""
+    x = np.ones(1 << 18, np.float32)
+    for i in range(1_000_000):
+        if comm.rank == comm.size - 1 and i == 20:
+            _mark(side)
+            os.kill(os.getpid(), signal.SIGKILL)
+        comm.all_reduce(x)
+    raise AssertionError("the dead rank was never noticed")
+
+
+def _killed_before_split(comm, side, deadline):
+    """The last rank dies while the others agree on a split's colours."""
+    comm.barrier()
+    if comm.rank == comm.size - 1:
+        _mark(side)
+        os.kill(os.getpid(), signal.SIGKILL)
+    comm.split(0)
+
+
+def _killed_in_debug_check(comm, side, deadline):
+    """With GPUCOLL_DEBUG=1, the last rank dies while the others wait in the store's check."""
+    comm.barrier()
+    if comm.rank == comm.size - 1:
+        _mark(side)
+        os.kill(os.getpid(), signal.SIGKILL)
+    comm.all_reduce(np.ones(4))
+
+
+def _stopped(comm, side, deadline):
+    """The last rank stops (SIGSTOP); the others time out and name it. It is killed after."""
+    comm.barrier()
+    if comm.rank == comm.size - 1:
+        _mark(side, time.time() + deadline)  # the others' deadline, the reference point
+        os.kill(os.getpid(), signal.SIGSTOP)
+    comm.all_reduce(np.ones(1 << 16), timeout=deadline)
+
+
+def _size_disagreement(comm, side, deadline):
+    """Rank 0 sends 4 floats where the others expect 5, then closes."""
+    comm.barrier()
+    if comm.rank == 0:
+        _mark(side)
+        comm.broadcast(np.ones(4), root=0)
+        comm.close()
+        time.sleep(10)
+        return
+    comm.broadcast(np.ones(5), root=0)
+
+
+SCENARIOS = {
+    "killed in all_reduce": (_killed_in_all_reduce, {}),
+    "killed before split": (_killed_before_split, {}),
+    "killed in debug check": (_killed_in_debug_check, {"GPUCOLL_DEBUG": "1"}),
+    "stopped (past deadline)": (_stopped, {}),
+    "size disagreement": (_size_disagreement, {}),
+}
+
+
+def _mark(side, when: float | None = None) -> None:
+    side.set("t", repr(time.time() if when is None else when))
+    side.close()
+
+
+def _rank(name, rank, size, port, env, deadline, results):
+    os.environ.update(env)
+    side = TCPStore("127.0.0.1", port, timeout=60)
+    comm = gpucoll.init("ring", rank=rank, world_size=size,
+                        store=f"tcp://127.0.0.1:{port}", timeout=60)
+    try:
+        SCENARIOS[name][0](comm, side, deadline)
+    except GpucollError as exc:
+        since = time.time() - float(side.get("t", timeout=60))
+        results.put((rank, type(exc).__name__, exc.peer, round(since, 4)))
+    finally:
+        try:
+            comm.close()
+        except GpucollError:
+            pass
+
+
+def run_once(name: str, size: int, transport: str, deadline: float) -> list[tuple]:
+    """One group of ``size`` fresh processes through scenario ``name``; each survivor's
+    (rank, error, rank named, seconds)."""
+    ctx = mp.get_context("spawn")
+    results = ctx.Queue()
+    with TCPStore("127.0.0.1", 0, is_server=True, timeout=60) as server:
+        env = {"GPUCOLL_TRANSPORT": transport, **SCENARIOS[name][1]}
+        procs = [ctx.Process(target=_rank, args=(name, r, size, server.port, env, deadline,
+                                                 results)) for r in range(size)]
+        for p in procs:
+            p.start()
+        got = []
+        try:
+            for _ in range(size - 1):
+                got.append(results.get(timeout=deadline + 60))
+        finally:
+            for p in procs:
+                if p.is_alive():
+                    os.kill(p.pid, signal.SIGKILL)
+                p.join()
+    return sorted(got)
+
+
+def main(argv: list[str] | None = None) -> None:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    parser.add_argument("--ranks", type=int, default=3)
+    parser.add_argument("--repeats", type=int, default=5)
+    parser.add_argument("--deadline", type=float, default=2.0,
+                        help="the call deadline in the stopped-rank scenario (s)")
+    parser.add_argument("--json", type=Path, default=DEFAULT_JSON)
+    args = parser.parse_args(argv)
+    rows = []
+    print(f"# Seconds from a fault to the error on every other rank ({args.ranks} ranks, "
+          f"{args.repeats} groups each; 'stopped': seconds past the {args.deadline:g} s "
+          f"deadline)")
+    print(f"# {'scenario':<26}{'transport':<11}{'error':<20}{'names':>6}{'median':>9}{'max':>9}")
+    for name in SCENARIOS:
+        for transport in ("shm", "tcp"):
+            seen = [o for _ in range(args.repeats)
+                    for o in run_once(name, args.ranks, transport, args.deadline)]
+            times = [s for _, _, _, s in seen]
+            kinds = sorted({k for _, k, _, _ in seen})
+            named = sorted({str(p) for _, _, p, _ in seen})
+            row = {"scenario": name, "transport": transport, "ranks": args.ranks,
+                   "errors": kinds, "named": named, "median_s": statistics.median(times),
+                   "max_s": max(times), "samples": len(times)}
+            rows.append(row)
+            print(f"  {name:<26}{transport:<11}{'/'.join(kinds):<20}{','.join(named):>6}"
+                  f"{row['median_s']:>9.3f}{row['max_s']:>9.3f}", flush=True)
+    args.json.parent.mkdir(parents=True, exist_ok=True)
+    args.json.write_text(json.dumps({"rows": rows, "argv": argv}, indent=1))
+    print(f"# wrote {args.json}")
+
+
+if __name__ == "__main__":
+    main()
