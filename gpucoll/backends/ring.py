@@ -47,6 +47,19 @@ _ASK_S = 1.0  # how long a rank that timed out waits for its peers to say where 
 _DRIVE = object()  # worker queue item: move the non-blocking messages
 
 
+class _CallName:
+    """A call's name for error messages, formatted only when one is raised (it is made on
+    every call)."""
+
+    __slots__ = ("kind", "code", "seq")
+
+    def __init__(self, kind: str, code: int, seq: int):
+        self.kind, self.code, self.seq = kind, code, seq
+
+    def __str__(self) -> str:
+        return f"{kind_name(self.code)} #{self.seq}" if self.code else self.kind
+
+
 class RingBackend(Backend):
     """Host collectives for ``size`` ranks; ``store`` is this group's store namespace.
 
@@ -175,13 +188,11 @@ class RingBackend(Backend):
         code = p.kind if p.state == IN_CALL and p.kind else KIND[kind]
         return algos.frame(code, max(p.seq, 0), arr.dtype, arr.size, root, op)
 
-    def _name(self, kind: str) -> str:
+    def _name(self, kind: str) -> _CallName:
         """How errors name the running call: the communicator's call and its sequence number
         (``scatter #3``) while it marks one in ``progress``, else the backend's method."""
         p = self.progress
-        if p.state == IN_CALL and p.kind:
-            return f"{kind_name(p.kind)} #{p.seq}"
-        return kind
+        return _CallName(kind, p.kind if p.state == IN_CALL else 0, p.seq)
 
     def _check_usable(self, opname: str) -> None:
         if self._closed:
