@@ -75,8 +75,7 @@ def _size_disagreement(comm, side, deadline):
     if comm.rank == 0:
         _mark(side)
         comm.broadcast(np.ones(4), root=0)
-        comm.close()
-        time.sleep(10)
+        comm.close()  # the others learn of it here, if not before
         return
     comm.broadcast(np.ones(5), root=0)
 
