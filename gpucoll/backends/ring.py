@@ -408,13 +408,13 @@ class RingBackend(Backend):
         """Every rank puts ``x`` in every peer's ring and folds what it finds in its own, in
         rank order, reading the peers' values where they lie."""
         links = self._peer_links
-        views = self._engine.swap_small(links, links, _bytes(x), hdr, deadline, name)
+        found = self._engine.swap_small(links, links, _bytes(x), hdr, deadline, name)
         token = fp_quiet()
         try:
-            dtype = x.dtype
-            algos.fold_in_rank_order(self.rank, x, {link.peer: v.view(dtype)
-                                                    for link, v in zip(links, views, strict=True)},
-                                     host_ufunc(op))
+            dtype, count = x.dtype, x.size
+            algos.fold_in_rank_order(self.rank, x, {
+                link.peer: link.rx.typed(at, dtype, count)
+                for link, at in zip(links, found, strict=True)}, host_ufunc(op))
             if op is _AVG:
                 finish_avg(x, self.size)
         finally:
@@ -429,8 +429,8 @@ class RingBackend(Backend):
             engine.swap_small(self._peer_links, (), _bytes(x), hdr, deadline, name)
             return
         link = self._mesh.links[root]
-        view, = engine.swap_small((), (link,), _bytes(x), hdr, deadline, name)
-        np.copyto(x, view.view(x.dtype))
+        at, = engine.swap_small((), (link,), _bytes(x), hdr, deadline, name)
+        np.copyto(x, link.rx.typed(at, x.dtype, x.size))
         link.release(x.nbytes + algos.FRAME.size)
 
     # -- point to point --------------------------------------------------------------------
