@@ -23,6 +23,7 @@ from typing import Any
 
 import numpy as np
 
+from gpucoll import cuda
 from gpucoll.arrays import as_ref
 from gpucoll.errors import CollectiveMismatch, CollectiveTimeout
 from gpucoll.guard import entry
@@ -156,6 +157,63 @@ class Wire:
 
     def recv(self, arr: np.ndarray, peer: int) -> None:
         self.b.recv(as_ref(arr, "object"), peer, timeout=self.left())
+
+
+class DeviceWire(Wire):
+    """Host byte arrays through a backend that moves device memory only (NCCL): each step
+    copies them to device buffers through pinned memory, runs there, and copies back."""
+
+    def broadcast(self, arr: np.ndarray, root: int) -> None:
+        mine = self.b.rank == root
+        self._staged([arr] if mine else [], [] if mine else [arr], lambda d, u, s: self.b.broadcast(
+            (d or u)[0], root, timeout=self.left(), stream=s))
+
+    def all_gather(self, row: np.ndarray, out: np.ndarray) -> None:
+        self._staged([row], [out], lambda d, u, s: self.b.all_gather(
+            d[0], u[0], timeout=self.left(), stream=s))
+
+    def scatter(self, rows: np.ndarray | None, out: np.ndarray, root: int) -> None:
+        self._staged([] if rows is None else [rows], [out], lambda d, u, s: self.b.scatter(
+            d[0] if d else None, u[0], root, timeout=self.left(), stream=s))
+
+    def exchange(self, sends: list, recvs: list) -> None:
+        self._staged([a for _, a in sends], [a for _, a in recvs], lambda d, u, s: self.b.exchange(
+            list(zip([p for p, _ in sends], d, strict=True)),
+            list(zip([p for p, _ in recvs], u, strict=True)), 0, timeout=self.left(), stream=s))
+
+    def send(self, arr: np.ndarray, peer: int) -> None:
+        self._staged([arr], [], lambda d, u, s: self.b.send(d[0], peer, timeout=self.left(),
+                                                           stream=s))
+
+    def recv(self, arr: np.ndarray, peer: int) -> None:
+        self._staged([], [arr], lambda d, u, s: self.b.recv(u[0], peer, timeout=self.left(),
+                                                           stream=s))
+
+    def _staged(self, down: list[np.ndarray], up: list[np.ndarray], call: Any) -> None:
+        rt = cuda.runtime()
+        s, device = rt.current_stream(), rt.current_device()
+        staged = {}
+        for a in (*down, *up):
+            if id(a) not in staged:
+                buf = rt.empty((a.nbytes,), np.dtype(np.uint8), device)
+                staged[id(a)] = (as_ref(buf, "object"), rt.alloc_pinned(a.nbytes), a)
+        for a in down:
+            ref, pin, _ = staged[id(a)]
+            if a.nbytes:
+                pin[:] = a.view(np.uint8).reshape(-1)
+                rt.memcpy_async(ref.ptr, pin.__array_interface__["data"][0], a.nbytes, s)
+        call([staged[id(a)][0] for a in down], [staged[id(a)][0] for a in up], s)
+        for a in up:
+            ref, pin, _ = staged[id(a)]
+            if a.nbytes:
+                rt.memcpy_async(pin.__array_interface__["data"][0], ref.ptr, a.nbytes, s)
+        event = rt.record_event(s)
+        while not event.done():
+            self.left()
+            time.sleep(0.0002)
+        for a in up:
+            if a.nbytes:
+                a.view(np.uint8).reshape(-1)[:] = staged[id(a)][1]
 
 
 class ObjectCalls:
@@ -311,7 +369,8 @@ class ObjectCalls:
     # -- plumbing ------------------------------------------------------------------------------
 
     def _wire(self, t: float, c: Call) -> Wire:
-        return Wire(self._backend, t, c.where)
+        kind = Wire if self._backend.host_control else DeviceWire
+        return kind(self._backend, t, c.where)
 
     def _gather_objects(self, c: Call, obj: Any, root: int | None, t: float) -> list | None:
         """all_gather_object (``root`` None) and gather_object: every rank learns every head

@@ -344,7 +344,7 @@ class Engine:
         keys = set()
         for op in ops:
             if op.sending and (op.link.peer in state.closed_peers or op.link.peer in state.ended):
-                raise self._gone(op)
+                raise self._gone(op, opname)
             keys.add((op.link.peer, op.sending))
         if len(keys) < len(ops):
             return False
@@ -520,7 +520,12 @@ class Engine:
                                                           not op.ready())):
                 raise self._gone(op)
 
-    def _gone(self, op: Op) -> PeerFailure:
+    def _gone(self, op: Op, opname: str | None = None) -> GpucollError:
+        """A peer left: the failure that made it leave, when one was reported (a peer that
+        fails tells the others before it goes), else PeerFailure naming it."""
+        opname = opname or op.opname
+        if self.state.failure is not None:
+            return self._in_op(self.state.failure, opname)
         peer = op.link.peer
         why = "closed its communicator" if peer in self.state.closed_peers else \
             "is gone (its connection ended)"
@@ -529,7 +534,7 @@ class Engine:
                    f"delivered"
         else:
             what = "this rank still expected data from it"
-        return PeerFailure(f"{op.opname} on rank {self.rank}: rank {peer} {why}, and {what}",
+        return PeerFailure(f"{opname} on rank {self.rank}: rank {peer} {why}, and {what}",
                            peer=peer)
 
     def _check_delivered(self, op: Op) -> None:
