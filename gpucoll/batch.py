@@ -169,12 +169,12 @@ class PointToPointCalls:
             return
         t = self.timeout if batch._timeout is None else batch._timeout
         if guarded:
-            self._post_guarded(batch, t, batch._stream)
+            self._end_batch(batch, t, batch._stream)
         else:
             self._post_batch(batch, t, batch._stream)
 
     @entry
-    def _post_guarded(self, batch: Batch, timeout: float, stream: Any) -> None:
+    def _end_batch(self, batch: Batch, timeout: float, stream: Any) -> None:
         self._post_batch(batch, timeout, stream)
 
     def _post_batch(self, batch: Batch, timeout: float, stream: Any) -> None:

@@ -57,7 +57,7 @@ from gpucoll.progress import KIND
 from gpucoll.signature import SignatureCheck
 from gpucoll.store.gather import Liveness, gather, leave_group
 from gpucoll.uneven import UnevenCalls
-from gpucoll.validation import Call, check_timeout
+from gpucoll.validation import VALID_OPS, Call, check_timeout
 from gpucoll.work import Work
 
 _LIVE: weakref.WeakSet = weakref.WeakSet()  # communicators of this process, for fork handling
@@ -113,11 +113,12 @@ class Communicator(OutOfPlaceCalls, UnevenCalls, ObjectCalls, PointToPointCalls,
         self._calls: dict[str, Call] = {}
         self._check = SignatureCheck(store, self.rank, self.size, self._liveness) if (
             debug_enabled() if debug is None else debug) else None
+        # the lean path of the common calls on NumPy arrays (not under the debug check)
+        self._lean_backend = backend.lean if self._check is None else None
         _LIVE.add(self)
 
     # -- reductions, in place ---------------------------------------------------------------
 
-    @_entry
     def all_reduce(self, x: Any, op: Any = "sum", *, out: Any = None, async_op: bool = False,
                    timeout: float | None = None, stream: Any = None) -> Any:
         """Combine ``x`` over all ranks with ``op``, in place; returns ``x``.
@@ -125,6 +126,21 @@ class Communicator(OutOfPlaceCalls, UnevenCalls, ObjectCalls, PointToPointCalls,
         Every rank gets a bit-identical result (a fixed reduction order). With ``out`` the
         result lands there instead, ``x`` is only read, and ``out`` is returned.
         """
+        if (type(x) is np.ndarray and not async_op and timeout is None and stream is None
+                and out is None):
+            lean = self._lean_backend
+            try:
+                rop = VALID_OPS.get((op, x.dtype))
+            except TypeError:  # an unhashable op: the general path says what is wrong
+                rop = None
+            if lean is not None and rop is not None and x.flags.writeable and self._lean(
+                    "all_reduce", _ALL_REDUCE, lean.host_all_reduce, x, rop):
+                return x
+        return self._all_reduce(x, op, async_op, timeout, stream, out)
+
+    @_entry
+    def _all_reduce(self, x: Any, op: Any, async_op: bool, timeout: float | None,
+                    stream: Any, out: Any = None) -> Any:
         c = self._call("all_reduce")
         if out is not None:
             return self._all_reduce_out(c, x, out, op, async_op, timeout, stream)
@@ -156,7 +172,6 @@ class Communicator(OutOfPlaceCalls, UnevenCalls, ObjectCalls, PointToPointCalls,
         return self._issue(c, seq, lambda: b.reduce(ref, root, rop, timeout=t, stream=stream),
                            x, async_op, stream, ref, x)
 
-    @_entry
     def broadcast(self, x: Any, root: int = 0, *, out: Any = None, async_op: bool = False,
                   timeout: float | None = None, stream: Any = None) -> Any:
         """Copy root's ``x`` into every rank's ``x`` (same shape and dtype); returns ``x``.
@@ -164,6 +179,18 @@ class Communicator(OutOfPlaceCalls, UnevenCalls, ObjectCalls, PointToPointCalls,
         With ``out`` root's ``x`` lands in every rank's ``out`` (root's too) and ``x`` is only
         read on root (other ranks may pass ``x=None``); returns ``out``.
         """
+        if (type(x) is np.ndarray and type(root) is int and not async_op and timeout is None
+                and stream is None and out is None and 0 <= root < self.size
+                and x.dtype in _LEAN_DTYPES and (x.flags.writeable or root == self.rank)):
+            lean = self._lean_backend
+            if lean is not None and self._lean("broadcast", _BROADCAST, lean.host_broadcast, x,
+                                               root):
+                return x
+        return self._broadcast(x, root, async_op, timeout, stream, out)
+
+    @_entry
+    def _broadcast(self, x: Any, root: Any, async_op: bool, timeout: float | None,
+                   stream: Any, out: Any = None) -> Any:
         c = self._call("broadcast")
         if out is not None:
             return self._broadcast_out(c, x, out, root, async_op, timeout, stream)
@@ -423,6 +450,30 @@ class Communicator(OutOfPlaceCalls, UnevenCalls, ObjectCalls, PointToPointCalls,
 
     # -- plumbing -----------------------------------------------------------------------------
 
+    def _lean(self, name: str, kind: int, run: Callable, x: np.ndarray, arg: Any) -> bool:
+        """Run a call on a C-contiguous NumPy array whose other arguments are known good, with
+        nothing of the general path's but what it must do: refuse a forked child and a second
+        thread, number the collective and mark it in the progress record. False (nothing done)
+        when the general path must run, to say what is wrong."""
+        if not x.flags.c_contiguous or self._forked or self._closed \
+                or not self._entry.acquire(False):
+            return False
+        try:
+            self._inside = name
+            seq = self._seq
+            self._seq = seq + 1
+            progress = self._progress
+            progress.enter(seq, kind)
+            ok = False
+            try:
+                run(x if x.ndim == 1 else x.reshape(-1), arg, seq, self.timeout)
+                ok = True
+            finally:
+                progress.leave(ok)
+        finally:
+            self._entry.release()
+        return True
+
     def _call(self, name: str) -> Call:
         if self._closed:
             raise ValueError(f"{name} on rank {self.rank} of {self.size}: the communicator is "
@@ -574,6 +625,8 @@ class Communicator(OutOfPlaceCalls, UnevenCalls, ObjectCalls, PointToPointCalls,
 
 
 _AGREE_BYTES = 1024
+_ALL_REDUCE, _BROADCAST = KIND["all_reduce"], KIND["broadcast"]
+_LEAN_DTYPES = frozenset(dtype_from_name(n) for n in SUPPORTED_DTYPES if n != "bfloat16")
 _LAYOUT = struct.Struct("<BBB")  # dtype code, array kind, ndim; then ndim int64 extents
 _KINDS = ("host", "device")
 

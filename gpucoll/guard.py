@@ -13,8 +13,9 @@ from typing import Any
 
 
 def entry(method: Callable) -> Callable:
-    """A public call: refused in a forked child, and while another thread is inside a call."""
-    name = method.__name__
+    """A public call: refused in a forked child, and while another thread is inside a call.
+    (A public method that hands off to a guarded ``_name`` is named ``name`` in messages.)"""
+    name = method.__name__.lstrip("_")
 
     @functools.wraps(method)
     def call(self: Any, *args: Any, **kwargs: Any) -> Any:

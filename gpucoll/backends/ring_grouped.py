@@ -38,7 +38,7 @@ class GroupedRing:
         """The frame header of each message of this call: its own count, the call's layout."""
         p = self.progress
         code = p.kind if p.state == IN_CALL and p.kind else KIND.get(kind, 0)
-        seq, opcode = max(p.seq, 0), 0 if op is None else algos._OP_VALUES[op.value]
+        seq, opcode = max(p.seq, 0), algos.op_code(op)
         pack, magic = algos.FRAME.pack, algos.MAGIC
 
         def header(count: int, dtype: np.dtype) -> bytes:
