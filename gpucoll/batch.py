@@ -9,6 +9,7 @@ whose ``wait()`` gives what ``send``/``recv`` would return (None, or the receivi
 
 from __future__ import annotations
 
+import threading
 from collections.abc import Sequence
 from typing import Any
 
@@ -66,10 +67,12 @@ class BatchedWork(Work):
 
 class Batch:
     """The sends and receives made inside ``with comm.batch():``, posted together at its end
-    (or dropped, unsent, when the block raises). ``wait()`` waits for all of them."""
+    (or dropped, unsent, when the block raises). ``wait()`` waits for all of them. Only
+    ``isend``/``irecv`` join a batch; other calls made inside the block run at once."""
 
     def __init__(self, comm: Any, timeout: float | None, stream: Any):
         self._comm, self._timeout, self._stream = comm, timeout, stream
+        self.thread = threading.get_ident()
         self.ops: list[tuple[bool, Any, int, Any]] = []  # (sending, ref, peer, check)
         self.works: list[BatchedWork] = []
 
@@ -137,6 +140,9 @@ class PointToPointCalls:
              stream: Any) -> Work:
         c = self._call(name)
         batch = self._batch
+        if batch is not None and batch.thread != threading.get_ident():
+            raise c.fail(UsageError, "another thread has a batch open on this communicator; "
+                                     "a communicator serves one thread at a time")
         ref = c.array(x, "x", writable=not sending, copy=sending)
         peer = c.peer(peer, "dst" if sending else "src")
         t = c.timeout(timeout, self.timeout if batch is None or batch._timeout is None

@@ -133,9 +133,13 @@ class Wire:
         self.b, self.deadline, self.where = backend, time.monotonic() + timeout, where
 
     def left(self) -> float:
+        """Seconds left for the next step. Past the deadline the call is over on this rank,
+        and the backend is aborted so that the peers waiting for the next step know it."""
         left = self.deadline - time.monotonic()
         if left <= 0:
-            raise CollectiveTimeout(f"{self.where}: timed out between the steps of the call")
+            err = CollectiveTimeout(f"{self.where}: timed out between the steps of the call")
+            self.b.abort(err)
+            raise err
         return left
 
     def broadcast(self, arr: np.ndarray, root: int) -> None:

@@ -204,3 +204,22 @@ def test_module_level_functions_need_init():
         gpucoll.all_gather_v(X)
     with pytest.raises(RuntimeError, match="not initialised"):
         gpucoll.new_group([0])
+
+
+def test_a_batch_belongs_to_the_thread_that_opened_it(comm):
+    import threading
+
+    errors = []
+    with comm.batch():
+        t = threading.Thread(target=lambda: errors.append(_raises(lambda: comm.isend(X, 0))))
+        t.start()
+        t.join()
+    assert errors == ["UsageError"] and nothing_sent(comm)
+
+
+def _raises(fn) -> str:
+    try:
+        fn()
+    except Exception as exc:  # noqa: BLE001 - the test reads the kind
+        return type(exc).__name__
+    return "ok"
