@@ -49,10 +49,12 @@ def out_of_place(rank: int, n: int, addr: str) -> list[str]:
         return _calls(comm)
 
 
-def uneven(rank: int, n: int, addr: str, padded: bool) -> list[str]:
-    if padded:  # make the padded all-gather the choice for these small sizes
-        nccl_grouped.PADDED_MIN_BYTES = 0
-        nccl_grouped.PADDED_MAX_WASTE = 100.0
+def uneven(rank: int, n: int, addr: str, form: str) -> list[str]:
+    """Every uneven call; ``form`` picks the all-gather's form for these small sizes."""
+    if form == "padded":
+        nccl_grouped.PADDED_MIN_BYTES, nccl_grouped.PADDED_MAX_WASTE = 0, 100.0
+    elif form == "sends":
+        nccl_grouped.BROADCAST_MAX_BYTES = -1
     with emulated(addr, rank, n) as (rt, comm):
         mine = data(rank, (rank + 1, 3), np.float32)
         rows = [data(r, (r + 1, 3), np.float32) for r in range(n)]

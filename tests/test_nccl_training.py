@@ -18,12 +18,17 @@ def test_out_of_place_forms_read_x_and_write_out(store_addr):
 
 
 def test_uneven_all_gather_is_a_group_of_broadcasts_for_small_buffers(store_addr):
-    calls = spawn(ranks.uneven, 3, store_addr, False, timeout=150)
-    assert "allGather" not in calls[0] and calls[0].count("broadcast") >= 3
+    calls = spawn(ranks.uneven, 3, store_addr, "broadcasts", timeout=150)
+    assert "allGather" not in calls[0] and calls[0].count("broadcast") == 2 * 3
+
+
+def test_uneven_all_gather_as_a_group_of_sends_and_receives(store_addr):
+    calls = spawn(ranks.uneven, 3, store_addr, "sends", timeout=150)
+    assert "allGather" not in calls[0] and "broadcast" not in calls[0]
 
 
 def test_uneven_all_gather_is_a_padded_all_gather_for_large_even_ones(store_addr):
-    calls = spawn(ranks.uneven, 3, store_addr, True, timeout=150)
+    calls = spawn(ranks.uneven, 3, store_addr, "padded", timeout=150)
     assert calls[0].count("allGather") == 2  # the two all_gather_v calls
 
 

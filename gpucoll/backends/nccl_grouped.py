@@ -5,14 +5,14 @@ to check buffers and pick the stream, ``_end`` to hand the call's event to the w
 ``_call`` and ``_group`` to run NCCL calls with errors translated, ``_copy``, ``_comm``,
 ``_rt``) and the dtype and op tables of ``nccl_types``, so that it moves with the backend.
 
-The uneven all-gather has two forms, chosen per call. Published measurements of NCCL
-all-gather-v (UCC's TL/NCCL, openucx/ucc#347: one node, 8 GPUs) found grouped point-to-point
-slowest at every size: a group of broadcasts, one per rank (what PyTorch and vLLM use), was
-fastest below about 1 MiB, and one all-gather padded to the largest rank's size, then
-compacted, fastest above it (1.9x the point-to-point bandwidth at 128 MiB). So: a grouped
-broadcast while the buffer is small or the sizes very uneven (padding would move much more
-than the data), the padded all-gather otherwise. Neither has been timed on a GPU here. The
-uneven reduce-scatter is a group of reduces, one per rank, each to the rank that owns the slot.
+The uneven all-gather takes one of three forms, by the size of the gathered buffer, after
+published measurements of the three (UCC's TL/NCCL all-gather-v, openucx/ucc#347: one node, 8
+GPUs, sizes as that table gives them): a group of broadcasts, one per rank (what PyTorch and
+vLLM use), was fastest up to 512 KiB; a group of sends and receives from 1 to 4 MiB; one
+all-gather padded to the largest rank's size, then compacted, from 8 MiB on (1.9x the sends and
+receives at 128 MiB). The padded form is skipped when padding would move much more than the
+data (very uneven sizes). None of the three has been timed on a GPU here. The uneven
+reduce-scatter is a group of reduces, one per rank, each to the rank that owns the slot.
 """
 
 from __future__ import annotations
@@ -24,7 +24,8 @@ from gpucoll.backends.nccl_types import reduce_plan, wire
 from gpucoll.backends.nccl_watch import EventWork
 from gpucoll.ops import ReduceOp
 
-PADDED_MIN_BYTES = 1 << 20  # from here on the padded all-gather beats grouped broadcasts
+BROADCAST_MAX_BYTES = 512 << 10  # up to here: a group of broadcasts
+PADDED_MIN_BYTES = 8 << 20  # from here: one padded all-gather ...
 PADDED_MAX_WASTE = 1.25  # ... unless padding moves more than this times the data
 
 
@@ -97,30 +98,56 @@ class GroupedNccl:
     def all_gather_v(self, x: Any, out: Any, counts: Sequence[int], layout: int, *,
                      timeout: float, stream: Any = None) -> None:
         s = self._begin("all_gather_v", stream, (x, out))
-        w, item, n = wire(x.dtype), x.dtype.itemsize, self.size
+        item, n, total = x.dtype.itemsize, self.size, sum(counts)
         biggest = max(counts)
         keep = None
-        if n * biggest * item >= PADDED_MIN_BYTES and n * biggest <= PADDED_MAX_WASTE * sum(
-                counts):
-            # one all-gather of slots padded to the largest, then each slot copied into place
-            keep = self._rt.alloc_device((n + 1) * biggest * item, s)
-            padded = keep.ptr + n * biggest * item  # this rank's padded slot, at the end
-            self._copy(padded, x.ptr, x.nbytes, s)
-            self._call("all_gather_v", self._comm.allGather, padded, keep.ptr,
-                       biggest * w.factor, w.code, s)
-            start = 0
-            for r, k in enumerate(counts):
-                self._copy(out.ptr + start * item, keep.ptr + r * biggest * item, k * item, s)
-                start += k
-        else:  # one broadcast per rank, from its x into its slot of out, as one group
-            calls, start = [], 0
-            for r, k in enumerate(counts):
-                send = x.ptr if r == self.rank else out.ptr + start * item
-                calls.append((self._comm.broadcast, (send, out.ptr + start * item,
-                                                     k * w.factor, w.code, r, s)))
-                start += k
-            self._group("all_gather_v", calls)
+        if total * item >= PADDED_MIN_BYTES and n * biggest <= PADDED_MAX_WASTE * total:
+            keep = self._padded_all_gather(x, out, counts, biggest, s)
+        elif total * item <= BROADCAST_MAX_BYTES:
+            self._group("all_gather_v", self._broadcasts(x, out, counts, s))
+        else:  # a group of sends and receives, straight into the slots of out
+            self._group("all_gather_v", self._sends_and_receives(x, out, counts, s))
         self._end("all_gather_v", s, timeout, keep)
+
+    def _padded_all_gather(self, x: Any, out: Any, counts: Sequence[int], biggest: int,
+                           s: int) -> Any:
+        """One all-gather of slots padded to the largest, then each slot copied into place;
+        returns the scratch buffer (kept alive until the call completes)."""
+        w, item, n = wire(x.dtype), x.dtype.itemsize, self.size
+        keep = self._rt.alloc_device((n + 1) * biggest * item, s)
+        padded = keep.ptr + n * biggest * item  # this rank's padded slot, after the others
+        self._copy(padded, x.ptr, x.nbytes, s)
+        self._call("all_gather_v", self._comm.allGather, padded, keep.ptr, biggest * w.factor,
+                   w.code, s)
+        start = 0
+        for r, k in enumerate(counts):
+            self._copy(out.ptr + start * item, keep.ptr + r * biggest * item, k * item, s)
+            start += k
+        return keep
+
+    def _broadcasts(self, x: Any, out: Any, counts: Sequence[int], s: int) -> list:
+        """One broadcast per rank, from its x into its slot of out."""
+        w, item, calls, start = wire(x.dtype), x.dtype.itemsize, [], 0
+        for r, k in enumerate(counts):
+            send = x.ptr if r == self.rank else out.ptr + start * item
+            calls.append((self._comm.broadcast, (send, out.ptr + start * item, k * w.factor,
+                                                 w.code, r, s)))
+            start += k
+        return calls
+
+    def _sends_and_receives(self, x: Any, out: Any, counts: Sequence[int], s: int) -> list:
+        """x to every other rank, and every other rank's x into its slot of out (this rank's
+        own slot: a device copy)."""
+        w, item, me, calls, start = wire(x.dtype), x.dtype.itemsize, self.rank, [], 0
+        for r, k in enumerate(counts):
+            if r == me:
+                self._copy(out.ptr + start * item, x.ptr, x.nbytes, s)
+            else:
+                calls.append((self._comm.send, (x.ptr, x.count * w.factor, w.code, r, s)))
+                calls.append((self._comm.recv, (out.ptr + start * item, k * w.factor, w.code,
+                                                r, s)))
+            start += k
+        return calls
 
     def reduce_scatter_v(self, x: Any, out: Any, counts: Sequence[int], op: ReduceOp,
                          layout: int, *, timeout: float, stream: Any = None) -> None:
