@@ -13,7 +13,8 @@ one 100,000-element all_reduce. Forms timed, host ring, NumPy arrays:
 
 Every rank times every form in each round, the forms interleaved so that a slow spell of the
 machine falls on all of them; a form's time in a round is the slowest rank's mean per call; the
-table shows the median over rounds and the ratio to the reference.
+table shows the median over rounds, the ratio to the reference, and the median CPU time per
+call of the busiest rank's process (what the form costs the rank itself, load aside).
 
     python benchmarks/fused.py [--ranks 2] [--arrays 1000] [--elements 100] [--rounds 7]
                                [--transport shm] [--json results/fused.json]
@@ -59,14 +60,16 @@ def _forms(comm, arrays: int, elements: int) -> dict:
     }
 
 
-def _time(comm, fn, calls: int) -> float:
-    """The slowest rank's mean seconds per call over ``calls`` calls."""
+def _time(comm, fn, calls: int) -> tuple[float, float]:
+    """The slowest rank's mean seconds per call over ``calls`` calls: wall-clock time, and the
+    CPU time of the rank's process (which other jobs on the machine disturb far less)."""
     comm.barrier()
-    start = time.perf_counter()
+    start, start_cpu = time.perf_counter(), time.process_time()
     for _ in range(calls):
         fn()
-    mine = np.array([(time.perf_counter() - start) / calls])
-    return float(comm.all_reduce(mine, "max")[0])
+    mine = np.array([time.perf_counter() - start, time.process_time() - start_cpu]) / calls
+    wall, cpu = comm.all_reduce(mine, "max")
+    return float(wall), float(cpu)
 
 
 def _rank(rank: int, size: int, port: int, transport: str, args: dict, results) -> None:
@@ -78,14 +81,17 @@ def _rank(rank: int, size: int, port: int, transport: str, args: dict, results) 
         for name, fn in forms.items():  # warm up, and size each form's loop to the budget
             for _ in range(3):
                 fn()
-            once = _time(comm, fn, 3)
+            once, _ = _time(comm, fn, 3)
             calls[name] = max(1, min(2000, int(BUDGET_S / max(once, 1e-7))))
         times: dict[str, list[float]] = {name: [] for name in forms}
+        cpu: dict[str, list[float]] = {name: [] for name in forms}
         for _ in range(args["rounds"]):
             for name, fn in forms.items():
-                times[name].append(_time(comm, fn, calls[name]))
+                wall, used = _time(comm, fn, calls[name])
+                times[name].append(wall)
+                cpu[name].append(used)
         if rank == 0:
-            results.put({"times": times, "calls": calls,
+            results.put({"times": times, "cpu": cpu, "calls": calls,
                          "links": sorted(set(comm._backend.links.values()))})
 
 
@@ -127,16 +133,20 @@ def main(argv: list[str] | None = None) -> int:
     print(f"# machine: {platform.node()}, {os.cpu_count()} cores, load average "
           f"{os.getloadavg()[0]:.1f}; python {platform.python_version()}, numpy "
           f"{np.__version__}")
-    print(f"# {'form':<20}{'time (us)':>12}{'range (us)':>20}{'x reference':>13}")
+    print(f"# {'form':<20}{'time (us)':>12}{'range (us)':>18}{'x reference':>13}"
+          f"{'cpu (us)':>10}")
     rows = []
     for name, samples in times.items():
         med = statistics.median(samples)
         row = {"form": name, "median_us": round(med * 1e6, 1),
                "min_us": round(min(samples) * 1e6, 1), "max_us": round(max(samples) * 1e6, 1),
-               "ratio": round(med / reference, 2), "calls_per_round": got["calls"][name]}
+               "ratio": round(med / reference, 2),
+               "cpu_us": round(statistics.median(got["cpu"][name]) * 1e6, 1),
+               "calls_per_round": got["calls"][name]}
         rows.append(row)
         span = f"{row['min_us']:.0f}-{row['max_us']:.0f}"
-        print(f"  {name:<20}{row['median_us']:>12.1f}{span:>20}{row['ratio']:>13.2f}")
+        print(f"  {name:<20}{row['median_us']:>12.1f}{span:>18}{row['ratio']:>13.2f}"
+              f"{row['cpu_us']:>10.1f}")
     bucket = next(r for r in rows if r["form"] == "bucket")["ratio"]
     listed = next(r for r in rows if r["form"] == "list, 1-D")["ratio"]
     print(f"# target (at most {TARGET:g}x): bucket {bucket:.2f}x "
