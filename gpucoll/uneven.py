@@ -175,54 +175,35 @@ class UnevenCalls:
         c = self._call("scatter_v")
         root = c.rank_arg(root, "root")
         t = c.timeout(timeout, self.timeout)
-        me = self.rank
-        refs = _chunks(c, chunks, "chunks", self.size) if me == root else None
         if counts is not None:
             counts = _counts(c, counts, self.size)
-        if me == root:
-            trailing = refs[0].shape[1:]
+        if self.rank == root:
+            refs = _chunks(c, chunks, "chunks", self.size)
             if counts is not None:
                 _match_rows(c, refs, counts, "chunks")
-            res = None if out is None else _out(c, out, refs[me], refs[me].shape, refs)
-            seq = self._signature(c, t, None, dtype=refs[0].dtype.name, shape=[-1, *trailing],
-                                  root=root)
+            res = None if out is None else _out(c, out, refs[root], refs[root].shape, refs)
+            dtype, trailing = refs[0].dtype.name, refs[0].shape[1:]
         else:
-            res = None
-            if counts is not None:
-                if out is None:
-                    raise c.fail(ValueError, "with counts= a rank other than root passes out= "
-                                             "(its chunk's dtype and shape); or pass neither "
-                                             "and learn them from root")
-                res = c.array(out, "out", writable=True, copy=False)
-                if not res.shape or res.shape[0] != counts[me]:
-                    raise c.fail(ValueError, f"out has shape {tuple(res.shape)}, but counts["
-                                             f"{me}] = {counts[me]} rows")
-            elif out is not None:
-                raise c.fail(ValueError, "out= needs counts= (without them the chunk's size is "
-                                         "known only once root sends it)")
-            trailing = None if res is None else res.shape[1:]
-            seq = self._signature(c, t, None, dtype=None if res is None else res.dtype.name,
-                                  shape=None if res is None else [-1, *trailing], root=root)
+            refs, res = None, _leaf_out(c, counts, out, self.rank)
+            dtype, trailing = (None, None) if res is None else (res.dtype.name, res.shape[1:])
+        seq = self._signature(c, t, None, dtype=dtype, root=root,
+                              shape=None if trailing is None else [-1, *trailing])
         b = self._backend
 
         def run(box: list) -> None:
-            mine, shape_rows = res, counts
-            if me == root:
-                layout = layout_digest(counts, trailing)
+            mine, sends = res, []
+            layout = None if trailing is None else layout_digest(counts, trailing)
+            if refs is not None:  # root: the layouts first, unless every rank knows them
                 if counts is None:
                     self._meta_scatter(c, np.stack([describe(r) for r in refs]), root, t)
                 if mine is None:
-                    mine = empty_ref(refs[me], refs[me].shape)
-                b.exchange(list(enumerate(refs)), [(root, mine)], layout, timeout=t,
-                           stream=stream)
-            else:
-                if shape_rows is None:
-                    dtype, kind, tail, rows = read(self._meta_scatter(c, None, root, t))
-                    mine = c.array(new_array(kind, (rows, *tail), dtype), "out")
-                    layout = layout_digest(None, tail)
-                else:
-                    layout = layout_digest(counts, trailing)
-                b.exchange([], [(root, mine)], layout, timeout=t, stream=stream)
+                    mine = empty_ref(refs[root], refs[root].shape)
+                sends = list(enumerate(refs))
+            elif mine is None:  # learn this rank's chunk from root
+                chunk_dtype, kind, tail, rows = read(self._meta_scatter(c, None, root, t))
+                mine = c.array(new_array(kind, (rows, *tail), chunk_dtype), "out")
+                layout = layout_digest(None, tail)
+            b.exchange(sends, [(root, mine)], layout, timeout=t, stream=stream)
             box.append(mine.array)
 
         return self._deferred(c, seq, run, async_op, stream)
@@ -394,6 +375,24 @@ def _counts(c: Call, counts: Any, size: int) -> list[int]:
             raise c.fail(ValueError, f"counts[{i}] = {v} is negative")
         out.append(v)
     return out
+
+
+def _leaf_out(c: Call, counts: list[int] | None, out: Any, rank: int) -> ArrayRef | None:
+    """scatter_v's ``out`` off root: needed with ``counts`` (it gives the dtype and trailing
+    shape), refused without (the size comes from root)."""
+    if counts is None:
+        if out is not None:
+            raise c.fail(ValueError, "out= needs counts= (without them the chunk's size is "
+                                     "known only once root sends it)")
+        return None
+    if out is None:
+        raise c.fail(ValueError, "with counts= a rank other than root passes out= (its chunk's "
+                                 "dtype and shape); or pass neither and learn them from root")
+    res = c.array(out, "out", writable=True, copy=False)
+    if not res.shape or res.shape[0] != counts[rank]:
+        raise c.fail(ValueError, f"out has shape {tuple(res.shape)}, but counts[{rank}] = "
+                                 f"{counts[rank]} rows")
+    return res
 
 
 def _match_rows(c: Call, refs: Sequence[ArrayRef], counts: Sequence[int], name: str) -> None:
