@@ -31,6 +31,7 @@ import numpy as np
 
 from gpucoll.backends import ring_algos as algos
 from gpucoll.backends.base import Backend
+from gpucoll.backends.ring_grouped import GroupedRing
 from gpucoll.errors import CollectiveMismatch, CollectiveTimeout, GpucollError, PeerFailure
 from gpucoll.ops import ReduceOp, finish_avg, fp_quiet, fp_restore, host_ufunc
 from gpucoll.progress import IN_CALL, KIND, SLOTS, Progress, diagnose, kind_name
@@ -61,7 +62,7 @@ class _CallName:
         return f"{kind_name(self.code)} #{self.seq}" if self.code else self.kind
 
 
-class RingBackend(Backend):
+class RingBackend(GroupedRing, Backend):
     """Host collectives for ``size`` ranks; ``store`` is this group's store namespace.
 
     Buffers are host NumPy views (``ArrayRef.host``); device arrays reach this backend through

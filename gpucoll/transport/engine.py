@@ -346,7 +346,7 @@ class Engine:
         keys = set()
         for op in ops:
             if op.sending and (op.link.peer in state.closed_peers or op.link.peer in state.ended):
-                raise self._gone(op)
+                raise self._gone(op, opname)
             keys.add((op.link.peer, op.sending))
         if len(keys) < len(ops):
             return False
@@ -620,10 +620,14 @@ class Engine:
                                                           not op.ready())):
                 raise self._gone(op)
 
-    def _gone(self, op: Op) -> PeerFailure:
-        return self._gone_peer(op.link.peer, op.sending, op.nbytes, op.opname)
+    def _gone(self, op: Op, opname: str | None = None) -> GpucollError:
+        return self._gone_peer(op.link.peer, op.sending, op.nbytes, opname or op.opname)
 
-    def _gone_peer(self, peer: int, sending: bool, nbytes: int, opname: str) -> PeerFailure:
+    def _gone_peer(self, peer: int, sending: bool, nbytes: int, opname: str) -> GpucollError:
+        """A peer left: the failure that made it leave, when one was reported (a peer that
+        fails tells the others before it goes), else PeerFailure naming it."""
+        if self.state.failure is not None:
+            return self._in_op(self.state.failure, opname)
         why = "closed its communicator" if peer in self.state.closed_peers else \
             "is gone (its connection ended)"
         if sending:
