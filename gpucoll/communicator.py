@@ -468,6 +468,9 @@ class Communicator(OutOfPlaceCalls, UnevenCalls, ObjectCalls, PointToPointCalls,
             try:
                 run(x if x.ndim == 1 else x.reshape(-1), arg, seq, self.timeout)
                 ok = True
+            except BaseException as exc:
+                self._abandoned(exc)
+                raise
             finally:
                 progress.leave(ok)
         finally:
@@ -527,10 +530,20 @@ class Communicator(OutOfPlaceCalls, UnevenCalls, ObjectCalls, PointToPointCalls,
             try:
                 call()
                 ok = True
+            except BaseException as exc:
+                self._abandoned(exc)
+                raise
             finally:
                 progress.leave(ok)
 
         return run
+
+    def _abandoned(self, exc: BaseException) -> None:
+        """An interrupt (KeyboardInterrupt, SystemExit) left a call half done: wherever it
+        struck, the peers must not wait for the rest, so the backend is aborted (a no-op when
+        the backend already failed with it)."""
+        if not isinstance(exc, Exception):
+            self._backend.abort(f"{type(exc).__name__} during collective #{self._seq - 1}")
 
     def _signature(self, c: Call, t: float, ref: ArrayRef | None, **fields: Any) -> int:
         """The sequence number of this collective (after the debug check, when it is on)."""
