@@ -167,3 +167,37 @@ def test_under_mpirun_bench_measures_gpucoll_and_mpi_in_the_same_ranks():
     tables = _tables(proc.stdout)
     assert sorted(tables) == ["gpucoll", "mpi"] and len(tables["mpi"]) == 4
     assert "# Library gloo: not run: gloo needs torchrun's environment" in proc.stdout
+
+
+@pytest.mark.slow
+def test_under_gpucoll_run_rank_zero_draws_its_bar_on_the_launchers_terminal(tmp_path):
+    """The ranks' stderr is a pipe: the bar goes straight to the terminal the launcher names,
+    not through the pipe (where it would arrive prefixed, at the end)."""
+    master, slave = os.openpty()
+    try:
+        proc = subprocess.Popen(
+            [sys.executable, "-m", "gpucoll.launch", "-n", "2", "--timeout", "120", "-m",
+             "gpucoll.bench", *TINY, "--progress", "--no-ceilings"],
+            stdout=subprocess.PIPE, stderr=slave, stdin=subprocess.DEVNULL, cwd=tmp_path,
+            env=dict(os.environ, PYTHONUNBUFFERED="1"))
+        os.close(slave)
+        slave = None
+        tty = b""
+        while True:  # read the terminal until the launcher (its last writer) is gone
+            try:
+                chunk = os.read(master, 65536)
+            except OSError:  # EIO: every writer closed the terminal
+                break
+            if not chunk:
+                break
+            tty += chunk
+        out, _ = proc.communicate(timeout=150)
+    finally:
+        os.close(master)
+        if slave is not None:
+            os.close(slave)
+    assert proc.returncode == 0, out.decode() + tty.decode(errors="replace")
+    text = tty.decode(errors="replace")
+    assert re.search(r"\r\x1b\[K\[#*\.*\] \d/4 gpucoll all_reduce", text), text
+    assert "[rank 0] [#" not in text and b"[#" not in out
+    assert "# Out of bounds values : 0 OK" in out.decode()

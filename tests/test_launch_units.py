@@ -173,3 +173,23 @@ def test_a_closed_console_does_not_stop_the_pump():
     writer.join(30)
     output.join(10)
     assert not writer.is_alive()
+
+
+def test_lines_written_to_a_terminal_first_clear_a_progress_line_drawn_there():
+    master, slave = os.openpty()
+    try:
+        with open(slave, "wb", closefd=False) as tty:
+            console = Console(Sink(), tty)
+            console.write("stderr", b"[rank 0] hello\n")
+        assert os.read(master, 4096).startswith(b"\r\x1b[K[rank 0] hello")
+        assert console.terminal_env() == {"GPUCOLL_TTY": os.ttyname(slave)}
+    finally:
+        os.close(master)
+        os.close(slave)
+
+
+def test_lines_written_to_pipes_and_files_are_left_as_they_are():
+    out, err = Sink(), Sink()
+    console = Console(out, err)
+    console.write("stdout", b"[rank 1] x\n")
+    assert out.writes == [b"[rank 1] x\n"] and console.terminal_env() == {}

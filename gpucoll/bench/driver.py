@@ -98,6 +98,7 @@ def _follow(proc: subprocess.Popen, follower: Follower, console: Console,
         lines = follower.lines()
         for line in lines:
             _feed(line, console, state)
+        console.progress.tick()
         if lines:
             last = time.monotonic()
         elif time.monotonic() - last > stall_s:

@@ -1,17 +1,25 @@
-"""The sweep every rank runs: per case, a timed loop out of place and in place, then a check.
+"""The sweep every rank runs: per case, timed loops out of place and in place, then a check.
 
-Timing follows nccl-tests: ``-w`` untimed iterations, a barrier, ``-n`` back-to-back timed
-iterations, the loop time divided by ``-n``; each rank's time is then combined over ranks
-(``-a``: rank 0, average, min or max). The correctness pass is separate and comes after the
-timed loop: known inputs, one call, every element compared, wrong elements summed over ranks.
-The engine knows nothing of any library: a ``Library`` adapter turns buffers into a call.
+Timing follows nccl-tests, with the iteration count chosen by time as nccl-tests' users (and
+the peer harness) do by hand: a time-boxed warm-up (at least ``-w`` calls), whose measured
+pace sets how many back-to-back calls fill one loop of ``--time``/``--loops`` seconds; ``-n``
+fixes that count instead. Every rank agrees on the counts (the slowest rank's estimate wins),
+so all call the collective equally often. Each of ``--loops`` loops starts at a barrier and
+gives one time per call (loop time / iterations); each loop's time is combined over ranks
+(``-a``: rank 0, average, min or max). The table's time is the mean over all loops (what
+nccl-tests prints); the median and the spread over loops go beside it in JSON and CSV.
+The correctness pass is separate and comes after the timed loops: known inputs, one call,
+every element compared, wrong elements summed over ranks. The engine knows nothing of any
+library: a ``Library`` adapter turns buffers into a call.
 """
 
 from __future__ import annotations
 
 import dataclasses
+import math
 import os
 import socket
+import statistics
 from collections.abc import Callable, Iterator
 from typing import Any, Protocol
 
@@ -23,6 +31,8 @@ from gpucoll.bench.options import AVERAGE_MODES, BenchOptions, numpy_dtype, type
 from gpucoll.ops import check_op_dtype, parse_op
 
 RANK_INFO_BYTES = 256
+MAX_WARMUP = 10_000  # calls: a bound on the time-boxed warm-up of tiny messages
+MAX_ITERS = 100_000  # calls in one timed loop
 
 
 class Library(Protocol):
@@ -54,21 +64,53 @@ class Case:
 
 
 @dataclasses.dataclass(frozen=True)
+class Timing:
+    """One placement's timed loops: seconds per call of each loop (combined over ranks)."""
+
+    loops: tuple[float, ...]
+    iters: int  # calls in each loop
+
+    @property
+    def mean(self) -> float:
+        """Seconds per call over every timed call (all loops have ``iters`` calls)."""
+        return sum(self.loops) / len(self.loops)
+
+    @property
+    def median(self) -> float:
+        return statistics.median(self.loops)
+
+
+@dataclasses.dataclass(frozen=True)
 class Measurement:
-    time_us: float
+    time_us: float  # mean over every timed call: nccl-tests' time column
     algbw: float
     busbw: float
     wrong: int | None  # None: no check was run
+    median_us: float | None = None  # median over the loops
+    min_us: float | None = None  # fastest and slowest loop: the spread
+    max_us: float | None = None
+    iters: int | None = None  # calls per loop
+    loops: int | None = None
 
     def to_json(self) -> dict[str, Any]:
         return {"time": self.time_us, "alg_bw": self.algbw, "bus_bw": self.busbw,
-                "nwrong": self.wrong}
+                "nwrong": self.wrong, "time_median": self.median_us,
+                "time_min": self.min_us, "time_max": self.max_us, "iters": self.iters,
+                "loops": self.loops}
 
     @classmethod
     def from_json(cls, d: dict[str, Any] | None) -> Measurement | None:
         if d is None:
             return None
-        return cls(d["time"], d["alg_bw"], d["bus_bw"], d["nwrong"])
+        return cls(d["time"], d["alg_bw"], d["bus_bw"], d["nwrong"], d.get("time_median"),
+                   d.get("time_min"), d.get("time_max"), d.get("iters"), d.get("loops"))
+
+    @property
+    def spread(self) -> float | None:
+        """(slowest - fastest loop) / median, the loops' relative spread; None if unknown."""
+        if None in (self.min_us, self.max_us) or not self.median_us:
+            return None
+        return (self.max_us - self.min_us) / self.median_us
 
 
 @dataclasses.dataclass(frozen=True)
@@ -126,10 +168,16 @@ def case_total(opts: BenchOptions, nranks: int) -> int:
 
 
 class Engine:
-    """Runs cases on one rank through ``lib`` with buffers from ``mem``."""
+    """Runs cases on one rank through ``lib`` with buffers from ``mem``.
 
-    def __init__(self, lib: Library, mem: Any, opts: BenchOptions):
+    ``tick`` is called between timed loops, outside the timed region (rank 0 redraws its
+    progress line there).
+    """
+
+    def __init__(self, lib: Library, mem: Any, opts: BenchOptions,
+                 tick: Callable[[], None] | None = None):
         self.lib, self.mem, self.opts = lib, mem, opts
+        self.tick = tick or (lambda: None)
 
     def run(self, case: Case) -> Result:
         spec, dtype = OPS[case.op], numpy_dtype(case.dtype)
@@ -149,23 +197,53 @@ class Engine:
 
     def _measure(self, case: Case, fn: Callable[[], None], send: Any, recv: Any,
                  dtype: np.dtype) -> Measurement:
-        seconds = self._time(fn)
+        timing = self.time(fn)
         size = OPS[case.op].size_bytes(case.nbytes, dtype.itemsize, self.lib.size)
-        algbw, busbw = bandwidths(case.op, size, seconds, self.lib.size)
+        algbw, busbw = bandwidths(case.op, size, timing.mean, self.lib.size)
         wrong = self._check(case, fn, send, recv, dtype) if self.opts.check else None
-        return Measurement(seconds * 1e6, algbw, busbw, wrong)
+        return Measurement(timing.mean * 1e6, algbw, busbw, wrong, timing.median * 1e6,
+                           min(timing.loops) * 1e6, max(timing.loops) * 1e6, timing.iters,
+                           len(timing.loops))
 
-    def _time(self, fn: Callable[[], None]) -> float:
-        for _ in range(self.opts.warmup):
-            fn()
+    def time(self, fn: Callable[[], None]) -> Timing:
+        """Warm up, then ``--loops`` timed loops of the agreed number of calls (collective)."""
+        iters = self._warm_up(fn)
+        mine = []
+        for _ in range(self.opts.loops):
+            mine.append(self._loop(fn, iters) / iters)
+            self.tick()
+        per_rank = self.gather_rows(np.array(mine))  # (ranks, loops)
+        loops = tuple(combine(per_rank[:, k], self.opts.average) for k in range(len(mine)))
+        return Timing(loops, iters)
+
+    def _warm_up(self, fn: Callable[[], None]) -> int:
+        """Run the warm-up; return the calls per timed loop, the same on every rank.
+
+        With ``-n`` both counts are fixed (nccl-tests). Otherwise one call measures the pace,
+        the warm-up runs for ``--warmup-time`` (at least ``-w`` calls) and its pace sets the
+        calls that fill one loop. Each estimate is the slowest rank's.
+        """
+        opts = self.opts
+        if opts.iters is not None:
+            for _ in range(opts.warmup):
+                fn()
+            self.mem.synchronize()
+            return opts.iters
+        first = self.agree_max(self._loop(fn, 1))
+        warm = _clamp(math.ceil(opts.warmup_time / max(first, 1e-9)), opts.warmup, MAX_WARMUP)
+        pace = self.agree_max(self._loop(fn, warm) / warm)
+        self.tick()
+        return _clamp(math.ceil(opts.time / opts.loops / max(pace, 1e-9)), 1, MAX_ITERS)
+
+    def _loop(self, fn: Callable[[], None], calls: int) -> float:
+        """Seconds for ``calls`` back-to-back calls started together at a barrier."""
         self.mem.synchronize()
         self.lib.barrier()
         timer = self.mem.timer()
         timer.start()
-        for _ in range(self.opts.iters):
+        for _ in range(calls):
             fn()
-        mine = timer.stop() / self.opts.iters
-        return combine(self.gather(mine), self.opts.average)
+        return timer.stop()
 
     def _check(self, case: Case, fn: Callable[[], None], send: Any, recv: Any,
                dtype: np.dtype) -> int:
@@ -183,9 +261,17 @@ class Engine:
 
     def gather(self, value: float) -> np.ndarray:
         """Every rank's ``value``, in rank order, on every rank."""
-        slots = np.zeros(self.lib.size, np.float64)
-        slots[self.lib.rank] = value
-        return self.all_sum(slots)
+        return self.gather_rows(np.array([value]))[:, 0]
+
+    def gather_rows(self, values: np.ndarray) -> np.ndarray:
+        """Every rank's 1-D float array (all the same length): row r is rank r's."""
+        slots = np.zeros((self.lib.size, values.size), np.float64)
+        slots[self.lib.rank] = values
+        return self.all_sum(slots.reshape(-1)).reshape(self.lib.size, values.size)
+
+    def agree_max(self, value: float) -> float:
+        """The largest of every rank's ``value``, on every rank (collective)."""
+        return float(self.gather(value).max())
 
     def all_sum(self, values: np.ndarray) -> np.ndarray:
         """Element-wise sum over ranks of a small host array, through the library itself."""
@@ -227,6 +313,10 @@ def combine(times: np.ndarray, mode: int) -> float:
     if how == "rank0":
         return float(times[0])
     return float(getattr(np, "mean" if how == "avg" else how)(times))
+
+
+def _clamp(value: int, low: int, high: int) -> int:
+    return max(low, min(high, value))
 
 
 def _len(buf: Any) -> int:

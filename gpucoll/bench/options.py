@@ -53,8 +53,11 @@ class BenchOptions:
     maxbytes: int = 32 << 20
     stepbytes: int = 1 << 20
     stepfactor: int = 1
-    iters: int = 20
-    warmup: int = 5
+    iters: int | None = None  # -n: calls per timed loop; None: as many as fill the loop time
+    warmup: int = 5  # -w: untimed calls before timing (at least this many when time-boxed)
+    time: float = 0.3  # seconds of timed calls per table cell, split over the loops
+    loops: int = 5  # timed loops per cell: the mean over them is printed, median and spread
+    warmup_time: float = 0.1  # seconds of warm-up per cell (time-boxed mode)
     check: int = 1
     redops: tuple[str, ...] = ("sum",)
     dtypes: tuple[str, ...] = ("float",)
@@ -208,10 +211,11 @@ def _add_nccl_tests_flags(p: argparse.ArgumentParser) -> None:
     g.add_argument("-f", "--stepfactor", type=int, default=BenchOptions.stepfactor,
                    help="multiplication factor between sizes (default: off)")
     g.add_argument("-n", "--iters", type=int, default=BenchOptions.iters,
-                   help="timed iterations per size (default 20)")
+                   help="timed iterations per loop (default: as many as fill --time/--loops "
+                        "seconds, at the pace the warm-up measured)")
     g.add_argument("-w", "--warmup_iters", dest="warmup", type=int,
-                   default=BenchOptions.warmup, help="untimed iterations before each loop "
-                   "(default 5)")
+                   default=BenchOptions.warmup, help="untimed iterations before timing, at "
+                   "least (default 5)")
     g.add_argument("-c", "--check", type=int, default=BenchOptions.check,
                    help="correctness passes per size after timing; 0 skips (default 1)")
     g.add_argument("-o", "--op", dest="redop", default="sum",
@@ -241,6 +245,16 @@ def _add_gpucoll_flags(p: argparse.ArgumentParser) -> None:
                         "each when installed")
     m.add_argument("--peer", action="append", metavar="LIB",
                    help="run the sweep through this peer too (gloo or mpi; repeatable)")
+    m.add_argument("--time", type=float, default=BenchOptions.time, metavar="S",
+                   help="seconds of timed calls per size and placement, split over --loops "
+                        f"(default {BenchOptions.time:g}); more gives steadier figures")
+    m.add_argument("--loops", type=int, default=BenchOptions.loops, metavar="K",
+                   help="timed loops per size: the table's time is the mean over all of "
+                        "them, JSON and CSV add the median and the fastest and slowest loop "
+                        f"(default {BenchOptions.loops})")
+    m.add_argument("--warmup-time", type=float, default=BenchOptions.warmup_time,
+                   metavar="S", help="seconds of warm-up per size and placement, at least -w "
+                   f"calls (default {BenchOptions.warmup_time:g}; ignored with -n)")
     m.add_argument("--json", metavar="FILE", help="write every result as JSON")
     m.add_argument("--csv", metavar="FILE", help="write every result as CSV")
     m.add_argument("--plot", metavar="FILE.png", help="plot busbw against size per library")
@@ -265,9 +279,13 @@ def parse_args(argv: list[str]) -> BenchOptions:
 
 def _to_options(ns: argparse.Namespace) -> BenchOptions:
     for flag, value, low in (("-n/--iters", ns.iters, 1), ("-w/--warmup_iters", ns.warmup, 0),
-                             ("-c/--check", ns.check, 0), ("-f/--stepfactor", ns.stepfactor, 1)):
-        if value < low:
+                             ("-c/--check", ns.check, 0), ("-f/--stepfactor", ns.stepfactor, 1),
+                             ("--loops", ns.loops, 1)):
+        if value is not None and value < low:
             raise ValueError(f"{flag} {value}: must be at least {low}")
+    for flag, value in (("--time", ns.time), ("--warmup-time", ns.warmup_time)):
+        if not value >= 0 or (flag == "--time" and value == 0):
+            raise ValueError(f"{flag} {value}: must be a positive number of seconds")
     if ns.minbytes > ns.maxbytes:
         raise ValueError(f"-b {ns.minbytes} is larger than -e {ns.maxbytes}")
     if ns.ranks is not None and ns.ranks < 1:
@@ -281,6 +299,7 @@ def _to_options(ns: argparse.Namespace) -> BenchOptions:
     return BenchOptions(
         ops=_op_names(ns.ops), minbytes=ns.minbytes, maxbytes=ns.maxbytes,
         stepbytes=ns.stepbytes, stepfactor=ns.stepfactor, iters=ns.iters, warmup=ns.warmup,
+        time=ns.time, loops=ns.loops, warmup_time=ns.warmup_time,
         check=ns.check, redops=_redops(ns.redop.lower()), dtypes=_dtypes(ns.datatype.lower()),
         roots=_roots(ns.root.lower()), average=ns.average, ranks=ns.ranks,
         backend=ns.backend, transport=ns.transport, memory=ns.memory,
@@ -293,11 +312,15 @@ def rank_argv(opts: BenchOptions) -> list[str]:
     """The flags that make ranks started by the driver run exactly this sweep."""
     roots = "all" if opts.roots is None else ",".join(map(str, opts.roots))
     argv = [*opts.ops, "-b", str(opts.minbytes), "-e", str(opts.maxbytes),
-            "-i", str(opts.stepbytes), "-f", str(opts.stepfactor), "-n", str(opts.iters),
-            "-w", str(opts.warmup), "-c", str(opts.check), "-o", ",".join(opts.redops),
+            "-i", str(opts.stepbytes), "-f", str(opts.stepfactor), "-w", str(opts.warmup),
+            "--time", repr(opts.time), "--loops", str(opts.loops),
+            "--warmup-time", repr(opts.warmup_time), "-c", str(opts.check),
+            "-o", ",".join(opts.redops),
             "-d", ",".join(opts.dtypes), "-r", roots, "-a", str(opts.average),
             "--backend", opts.backend, "--transport", opts.transport, "--memory", opts.memory,
             "--timeout", str(opts.timeout)]
+    if opts.iters is not None:
+        argv += ["-n", str(opts.iters)]
     return argv
 
 

@@ -25,6 +25,15 @@ def label(run: dict[str, Any]) -> str:
 def plot(path: str, runs: list[dict[str, Any]], ceilings: list[dict[str, Any]],
          title: str = "") -> None:
     """Write the figure to ``path``; one panel per (operation, rank count)."""
+    fig = figure(runs, ceilings, title)
+    fig.savefig(path, dpi=110)
+    import matplotlib.pyplot as plt
+
+    plt.close(fig)
+
+
+def figure(runs: list[dict[str, Any]], ceilings: list[dict[str, Any]], title: str = "") -> Any:
+    """The matplotlib figure ``plot`` writes (the caller closes it)."""
     try:
         import matplotlib
     except ImportError as exc:
@@ -35,14 +44,16 @@ def plot(path: str, runs: list[dict[str, Any]], ceilings: list[dict[str, Any]],
     panels = sorted({(d["op"], run["ranks"]) for run in runs for d in run["results"]})
     if not panels:
         raise RuntimeError("--plot: there are no results to draw")
-    fig, axes = plt.subplots(len(panels), 1, figsize=(8, 4.2 * len(panels)), squeeze=False)
+    # constrained layout keeps room for the title above the first panel (tight_layout does not
+    # count a suptitle, which then overlaps the first panel's title)
+    fig, axes = plt.subplots(len(panels), 1, figsize=(8, 4.2 * len(panels)), squeeze=False,
+                             layout="constrained")
     for ax, (op, ranks) in zip(axes[:, 0], panels, strict=True):
         _panel(ax, op, ranks, runs, ceilings)
     if title:
         fig.suptitle(title, fontsize=10)
-    fig.tight_layout()
-    fig.savefig(path, dpi=110)
-    plt.close(fig)
+        fig.get_layout_engine().set(h_pad=0.1)  # inches: air between title and first panel
+    return fig
 
 
 def _panel(ax: Any, op: str, ranks: int, runs: list[dict[str, Any]],

@@ -45,7 +45,8 @@ def wants_device(opts: BenchOptions) -> bool:
 
 def sweep(lib: Any, mem: Any, opts: BenchOptions, sink: Any | None) -> None:
     """Every case of ``opts`` on this rank; rank 0's ``sink`` gets the events."""
-    engine = Engine(lib, mem, opts)
+    progress = getattr(sink, "progress", None)  # rank 0's console: redraw between loops
+    engine = Engine(lib, mem, opts, tick=progress.tick if progress else None)
     devices = engine.rank_info()
     if sink is not None:
         sink.start({**lib.describe(), "ranks": lib.size, "memory": mem.kind,

@@ -46,8 +46,19 @@ def human_size(nbytes: int) -> str:
 def config_line(opts: BenchOptions, nranks: int) -> str:
     step = (f"{opts.stepfactor}(factor)" if opts.stepfactor > 1 else f"{opts.stepbytes}(bytes)")
     return (f"# nThread 1 nGpus {nranks} minBytes {opts.minbytes} maxBytes {opts.maxbytes} "
-            f"step: {step} warmup iters: {opts.warmup} iters: {opts.iters} agg iters: 1 "
-            f"validation: {min(opts.check, 1)} graph: 0")
+            f"step: {step} warmup iters: {opts.warmup} iters: {opts.iters or 'auto'} "
+            f"agg iters: 1 validation: {min(opts.check, 1)} graph: 0")
+
+
+def timing_line(opts: BenchOptions) -> str:
+    """How each cell's time was taken: how many loops, how long, and what the column means."""
+    if opts.iters is None:
+        per = (f"as many calls as fill {opts.time / opts.loops * 1e3:.0f} ms (pace from a "
+               f"warm-up of {opts.warmup_time:g} s, at least {opts.warmup} calls)")
+    else:
+        per = f"{opts.iters} calls after {opts.warmup} warm-up calls"
+    return (f"# Timing: {opts.loops} loops per cell of {per}; time = mean over all loops, "
+            "median and spread over loops in --json/--csv")
 
 
 def run_header(run: dict[str, Any]) -> list[str]:
@@ -119,9 +130,21 @@ def summary(results: Iterable[Result]) -> dict[str, Any]:
 def table_footer(results: list[Result]) -> list[str]:
     s = summary(results)
     bad = s["out_of_bounds"]["count"]
-    return [f"# {'Out of bounds values':<20} : {bad} {'FAILED' if bad else 'OK'}",
-            f"# {'Avg bus bandwidth':<20} : {s['average_bus_bandwidth']['bandwidth']:g} ",
-            "#"]
+    lines = [f"# {'Out of bounds values':<20} : {bad} {'FAILED' if bad else 'OK'}",
+             f"# {'Avg bus bandwidth':<20} : {s['average_bus_bandwidth']['bandwidth']:g} "]
+    spread = spread_line(results)
+    return lines + ([spread] if spread else []) + ["#"]
+
+
+def spread_line(results: list[Result]) -> str | None:
+    """The widest loop-to-loop spread of a table, so an unsteady figure does not go unseen."""
+    cells = [(m.spread, r.size) for r in results for m in (r.out_of_place, r.in_place)
+             if m is not None and m.spread is not None]
+    if not cells:
+        return None
+    spread, size = max(cells)
+    return (f"# {'Widest loop spread':<20} : {100 * spread:.0f}% of the median "
+            f"(at {human_size(size)}; (slowest - fastest loop) / median)")
 
 
 def peak_line(results: list[Result], ceilings: list[dict[str, Any]]) -> str | None:
@@ -183,7 +206,7 @@ def write_json(path: str, doc: dict[str, Any]) -> None:
 
 CSV_FIELDS = ("library", "backend", "transport", "ranks", "memory", "op", "size", "count",
               "type", "redop", "root", "placement", "time_us", "algbw_GBps", "busbw_GBps",
-              "wrong")
+              "wrong", "time_median_us", "time_min_us", "time_max_us", "iters", "loops")
 
 
 def csv_rows(runs: list[dict[str, Any]]) -> Iterable[dict[str, Any]]:
@@ -200,7 +223,9 @@ def csv_rows(runs: list[dict[str, Any]]) -> Iterable[dict[str, Any]]:
                        "count": d["count"], "type": d["type"], "redop": d["redop"],
                        "root": d["root"], "placement": placement, "time_us": m["time"],
                        "algbw_GBps": m["alg_bw"], "busbw_GBps": m["bus_bw"],
-                       "wrong": m["nwrong"]}
+                       "wrong": m["nwrong"], "time_median_us": m.get("time_median"),
+                       "time_min_us": m.get("time_min"), "time_max_us": m.get("time_max"),
+                       "iters": m.get("iters"), "loops": m.get("loops")}
 
 
 def write_csv(path: str, runs: list[dict[str, Any]]) -> None:

@@ -69,7 +69,7 @@ class Console:
     def __init__(self, opts: BenchOptions, argv: list[str], out: TextIO | None = None,
                  progress: Progress | None = None):
         self.opts, self.out = opts, out or sys.stdout
-        self.progress = progress or Progress(0, False)
+        self.progress = progress or Progress(0, False, self.out)
         self.doc: dict[str, Any] = {
             "tool": "gpucoll bench", "format": 1, "argv": list(argv), "start_time": now(),
             "config": _config(opts), "machine": {}, "ceilings": [], "runs": []}
@@ -81,8 +81,7 @@ class Console:
         return self.doc["runs"]
 
     def print(self, *lines: str) -> None:
-        if self.progress.enabled:
-            self.progress.close()
+        self.progress.clear()
         for line in lines:
             self.out.write(line + "\n")
         self.out.flush()
@@ -98,7 +97,8 @@ class Console:
     def start(self, run: dict[str, Any]) -> None:
         run = {**run, "results": [], "skipped": [], "error": None}
         self.runs.append(run)
-        self.print(report.config_line(self.opts, run["ranks"]), *report.run_header(run), "#")
+        self.print(report.config_line(self.opts, run["ranks"]), report.timing_line(self.opts),
+                   *report.run_header(run), "#")
 
     def skip(self, text: str) -> None:
         self.runs[-1]["skipped"].append(text)
@@ -177,7 +177,8 @@ def _config(opts: BenchOptions) -> dict[str, Any]:
     return {"ops": list(opts.ops), "minimum_bytes": opts.minbytes,
             "maximum_bytes": opts.maxbytes, "step_factor": opts.stepfactor,
             "step_bytes": opts.stepbytes, "iterations": opts.iters,
-            "warmup_iters": opts.warmup, "validation": opts.check,
+            "warmup_iters": opts.warmup, "time_per_cell": opts.time, "loops": opts.loops,
+            "warmup_time": opts.warmup_time, "validation": opts.check,
             "datatypes": list(opts.dtypes), "redops": list(opts.redops),
             "average": opts.average, "backend": opts.backend, "transport": opts.transport,
             "memory": opts.memory, "peers": list(opts.peers)}

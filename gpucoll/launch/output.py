@@ -3,7 +3,9 @@
 Each pipe is drained by its own thread, as bytes (binary-safe). Complete lines are written in one
 call under a lock shared by every rank, so lines of different ranks never mix; a rank's partial
 writes wait until their line is complete (or its output ends). With ``--tee`` every line also
-goes, unprefixed, to that rank's log file.
+goes, unprefixed, to that rank's log file. A rank may draw a progress line straight onto the
+launcher's terminal (named to it in ``GPUCOLL_TTY``): on a terminal each line written here
+first clears the line the cursor is on, so such a bar never splits a rank's line.
 """
 
 from __future__ import annotations
@@ -16,6 +18,8 @@ from typing import BinaryIO
 MAX_LINE = 1 << 16  # a longer line is cut so a rank cannot buffer without bound
 TAIL_LINES = 20  # stderr lines kept per rank for the failure report
 TAIL_WIDTH = 400  # characters of each such line shown in the report
+ERASE_LINE = b"\r\x1b[K"  # carriage return, clear to the end of the line
+TTY_ENV = "GPUCOLL_TTY"
 
 
 class Console:
@@ -23,16 +27,33 @@ class Console:
 
     def __init__(self, stdout: BinaryIO, stderr: BinaryIO):
         self.streams = {"stdout": stdout, "stderr": stderr}
+        self.ttys = {name: _tty_path(s) for name, s in self.streams.items()}
         self.lock = threading.Lock()
+
+    def terminal_env(self) -> dict[str, str]:
+        """``GPUCOLL_TTY``: the terminal the launcher's stderr shows, where a rank may draw a
+        progress line directly (its own stderr is a pipe); empty when stderr is no terminal."""
+        tty = self.ttys["stderr"]
+        return {TTY_ENV: tty} if tty else {}
 
     def write(self, stream: str, data: bytes) -> None:
         out = self.streams[stream]
+        if self.ttys[stream]:
+            data = ERASE_LINE + data
         with self.lock:
             try:
                 out.write(data)
                 out.flush()
             except (BrokenPipeError, ValueError):
                 pass  # nobody reads any more (e.g. `| head`); keep draining the ranks
+
+
+def _tty_path(stream: BinaryIO) -> str | None:
+    try:
+        fd = stream.fileno()
+        return os.ttyname(fd) if os.isatty(fd) else None
+    except (OSError, ValueError, AttributeError):  # no file descriptor (tests pass BytesIO)
+        return None
 
 
 class RankOutput:

@@ -20,7 +20,7 @@ from gpucoll.launch import report
 from gpucoll.launch.config import LaunchConfig
 from gpucoll.launch.environ import rank_env
 from gpucoll.launch.jobstore import RemoteAbort
-from gpucoll.launch.output import Console, RankOutput
+from gpucoll.launch.output import TTY_ENV, Console, RankOutput
 from gpucoll.launch.procs import Exit, RankProcess
 from gpucoll.launch.signals import Received, signals_to
 
@@ -76,6 +76,8 @@ class Job:
             self.ranks.append(proc)
             env = {**os.environ, **rank_env(self.cfg, local, store, token, torch_port,
                                              self.gpus)}
+            env.pop(TTY_ENV, None)  # an outer launcher's terminal is not necessarily ours
+            env.update(self.console.terminal_env())
             proc.start(argv, env, self.events)
 
     # ---- supervise ---------------------------------------------------------------------
