@@ -15,11 +15,11 @@ def observed_from_smi(smi: SmiFacts) -> Observed:
     devices = tuple(_smi_device(smi, name) for name in smi.columns)
     matrix = {a: {b: _smi_cell(smi, a, b) for b in smi.columns} for a in smi.columns}
     missing = [name for name in smi.columns if name not in smi.rows]
-    notes = ()
+    notes = tuple(Finding("inferred", f"read from a damaged copy: {note}") for note in smi.notes)
     if missing:
-        notes = (Finding("partial", f"the output lacks the rows of {', '.join(missing)}: their "
-                         "cells come from the other rows' columns where printed, and their CPU "
-                         "affinity is unknown", tuple(missing)),)
+        notes += (Finding("partial", f"the output lacks the rows of {', '.join(missing)}: "
+                          "their cells come from the other rows' columns where printed, and "
+                          "their CPU affinity is unknown", tuple(missing)),)
     return Observed("nvidia-smi", smi.source, devices, matrix, None, notes)
 
 
@@ -44,7 +44,7 @@ def _smi_device(smi: SmiFacts, name: str) -> Device:
         legend = smi.nic_legend.get(name, None if re.fullmatch(r"NIC\d+", name) else name)
     return Device(name=name, kind=kind, index=index, device=legend,
                   cpu_affinity=extras.get("CPU Affinity") or None,
-                  numa_affinity=extras.get("NUMA Affinity") or None,
+                  numa_affinity=extras.get("NUMA Affinity") or extras.get("NUMA ID") or None,
                   gpu_numa_id=extras.get("GPU NUMA ID") or None)
 
 

@@ -43,7 +43,7 @@ class Finding:
     """A warning about the layout: a stable code, a sentence, and the devices concerned."""
 
     code: str  # cross-socket | no-nearby-nic | pcie-degraded | nvlink-down | nvlink-uneven |
-    #            p2p-unavailable | partial | no-driver
+    #            p2p-unavailable | partial | no-driver | inferred
     message: str
     devices: tuple[str, ...] = ()
 
