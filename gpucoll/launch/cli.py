@@ -11,6 +11,7 @@ import os
 
 from gpucoll.errors import StoreError
 from gpucoll.launch.config import LaunchConfig, LaunchError, validate
+from gpucoll.launch.environ import bindings
 from gpucoll.launch.jobstore import JobStore, new_token, torch_port
 from gpucoll.launch.supervisor import Job, console
 from gpucoll.rendezvous import store_url
@@ -54,6 +55,13 @@ def parser() -> argparse.ArgumentParser:
                    help="require one GPU per rank on this node (fail at start otherwise)")
     p.add_argument("--isolate-gpus", action="store_true",
                    help="let each rank see only its own GPU (CUDA_VISIBLE_DEVICES)")
+    p.add_argument("--bind", action="store_true",
+                   help="pin each rank to the CPUs of its GPU's NUMA node and export its GPU's "
+                   "nearest NICs for NCCL (NCCL_IB_HCA, NCCL_SOCKET_IFNAME), from the topology "
+                   "probe; without GPUs, spread the ranks over the NUMA nodes")
+    p.add_argument("--topology", metavar="FILE",
+                   help="with --bind: read a saved `nvidia-smi topo -m` output instead of "
+                   "probing this machine")
     p.add_argument("-m", dest="module", action="store_true",
                    help="run PROGRAM as a module, like python -m")
     p.add_argument("program", metavar="PROGRAM", help="script.py (or module with -m)")
@@ -69,7 +77,8 @@ def config_from(ns: argparse.Namespace) -> LaunchConfig:
         program=ns.program, args=tuple(ns.args), module=ns.module, nproc=ns.nproc,
         nnodes=ns.nnodes, node_rank=ns.node_rank, master_addr=ns.master_addr,
         master_port=ns.master_port, tee=ns.tee, timeout=ns.timeout, grace=ns.grace,
-        device=ns.device, isolate_gpus=ns.isolate_gpus, token=token)
+        device=ns.device, isolate_gpus=ns.isolate_gpus, token=token, bind=ns.bind,
+        topology=ns.topology)
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -84,7 +93,15 @@ def main(argv: list[str] | None = None) -> int:
     if gpus and cfg.nproc > len(gpus):
         out.write("stderr", f"gpucoll run: note: {cfg.nproc} ranks share {len(gpus)} GPU(s); "
                   "NCCL needs one GPU per rank\n".encode())
-    job = Job(cfg, gpus, out)
+    try:
+        binds = bindings(cfg, gpus) if cfg.bind else None
+    except ValueError as exc:  # a --topology file that cannot be read (TopologyParseError)
+        out.write("stderr", f"gpucoll run: error: --bind: {exc}\n".encode())
+        return 2
+    for b in binds or ():
+        if b.line:
+            out.write("stderr", f"gpucoll run: --bind: {b.line}\n".encode())
+    job = Job(cfg, gpus, out, binds)
     try:
         return run_job(cfg, job)
     except (StoreError, OSError) as exc:

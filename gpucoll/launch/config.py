@@ -32,6 +32,8 @@ class LaunchConfig:
     device: bool = False
     isolate_gpus: bool = False
     token: str | None = None
+    bind: bool = False  # pin ranks to their GPU's NUMA node, export its nearest NICs
+    topology: str | None = None  # a saved `nvidia-smi topo -m` for --bind instead of a probe
 
     @property
     def world_size(self) -> int:
@@ -55,6 +57,10 @@ def validate(cfg: LaunchConfig, environ: dict[str, str] | None = None) -> list[s
         raise LaunchError(
             "a job of several nodes needs one store token shared by every node: "
             "export GPUCOLL_STORE_TOKEN=<same secret on each node> (or pass --token)")
+    if cfg.topology is not None and not cfg.bind:
+        raise LaunchError("--topology is what --bind reads; give --bind too")
+    if cfg.topology is not None and not os.path.isfile(cfg.topology):
+        raise LaunchError(f"--topology: no such file: {cfg.topology!r}")
     gpus = visible_gpus(environ)
     if cfg.device and len(gpus) < cfg.nproc:
         raise LaunchError(

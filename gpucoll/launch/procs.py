@@ -38,6 +38,20 @@ def _die_with_parent_hook():
 _DIE_WITH_PARENT = _die_with_parent_hook()
 
 
+def _preexec(cpus: frozenset[int] | None):
+    """The child's set-up before it runs the rank: die with the launcher, and keep to ``cpus``
+    (set before exec, so every thread the rank ever starts inherits it)."""
+    if not cpus:
+        return _DIE_WITH_PARENT
+    die = _DIE_WITH_PARENT or (lambda: None)
+
+    def setup() -> None:
+        die()
+        os.sched_setaffinity(0, cpus)
+
+    return setup
+
+
 @dataclasses.dataclass(frozen=True)
 class Exit:
     """A rank that ended: its return code as Popen reports it (negative: killed by a signal)."""
@@ -61,14 +75,16 @@ class RankProcess:
     def pid(self) -> int | None:
         return None if self.proc is None else self.proc.pid
 
-    def start(self, argv: list[str], env: dict[str, str], exits: queue.Queue) -> None:
-        """Start the rank; its exit is put on ``exits`` as an :class:`Exit`."""
+    def start(self, argv: list[str], env: dict[str, str], exits: queue.Queue,
+              cpus: frozenset[int] | None = None) -> None:
+        """Start the rank (pinned to ``cpus`` when given); its exit is put on ``exits`` as an
+        :class:`Exit`."""
         out_r, out_w = os.pipe()
         err_r, err_w = os.pipe()
         try:
             self.proc = subprocess.Popen(
                 argv, env=env, stdin=subprocess.DEVNULL, stdout=out_w, stderr=err_w,
-                start_new_session=True, preexec_fn=_DIE_WITH_PARENT)
+                start_new_session=True, preexec_fn=_preexec(cpus))
         except BaseException:
             for fd in (out_r, err_r):
                 os.close(fd)

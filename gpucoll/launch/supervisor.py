@@ -18,7 +18,7 @@ import time
 
 from gpucoll.launch import report
 from gpucoll.launch.config import LaunchConfig
-from gpucoll.launch.environ import rank_env
+from gpucoll.launch.environ import Binding, rank_env
 from gpucoll.launch.jobstore import RemoteAbort
 from gpucoll.launch.output import TTY_ENV, Console, RankOutput
 from gpucoll.launch.procs import Exit, RankProcess
@@ -43,9 +43,11 @@ class Deadlines:
 class Job:
     """One node's share of a job: ``nproc`` ranks under supervision."""
 
-    def __init__(self, cfg: LaunchConfig, gpus: list[str], console: Console):
+    def __init__(self, cfg: LaunchConfig, gpus: list[str], console: Console,
+                 binds: list[Binding] | None = None):
         self.cfg = cfg
         self.gpus = gpus
+        self.binds = binds
         self.console = console
         self.events: queue.SimpleQueue = queue.SimpleQueue()
         self.ranks: list[RankProcess] = []
@@ -78,7 +80,10 @@ class Job:
                                              self.gpus)}
             env.pop(TTY_ENV, None)  # an outer launcher's terminal is not necessarily ours
             env.update(self.console.terminal_env())
-            proc.start(argv, env, self.events)
+            bind = self.binds[local] if self.binds else None
+            if bind is not None:
+                env.update(bind.env)
+            proc.start(argv, env, self.events, cpus=bind.cpus if bind else None)
 
     # ---- supervise ---------------------------------------------------------------------
 

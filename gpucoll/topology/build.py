@@ -115,7 +115,7 @@ def rdma_nics(sysfs: SysfsFacts | None) -> list[PciDevice]:
 def _nic_device(i: int, nic: PciDevice) -> Device:
     return Device(name=f"NIC{i}", kind="nic", index=i, device=nic.rdma_names[0],
                   bus_id=nic.address, cpu_affinity=nic.cpus, numa_affinity=_numa(nic),
-                  pcie=nic.link)
+                  pcie=nic.link, netdevs=nic.net_names)
 
 
 def observed_from_sysfs(sysfs: SysfsFacts, why: str) -> Observed:

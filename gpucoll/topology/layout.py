@@ -36,6 +36,7 @@ class Device:
     gpu_numa_id: str | None = None  # as printed; a NUMA node of the GPU's own memory (GH200)
     pcie: PcieLink | None = None
     nvlinks_down: tuple[int, ...] = ()  # link numbers NVML reports as supported but inactive
+    netdevs: tuple[str, ...] = ()  # a NIC's network interfaces (ib0, ens1f0), where known
 
 
 @dataclass(frozen=True)

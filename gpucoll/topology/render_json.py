@@ -8,7 +8,7 @@ Top level::
                     "device": NIC legend name or null, "model", "bus_id", "uuid",
                     "memory_bytes", "cpu_affinity", "numa_affinity", "gpu_numa_id",
                     "pcie": {"gen", "max_gen", "width", "max_width"} or null,
-                    "nvlinks_down": [link numbers]}]
+                    "nvlinks_down": [link numbers], "netdevs": [a NIC's network interfaces]}]
     matrix        {name: {name: label}}: labels exactly as nvidia-smi prints them ("X" on the
                   diagonal, "NV12", "PIX", "SOC" from old drivers...), null where the source did
                   not show the pair
@@ -59,4 +59,5 @@ def render_json(layout: Layout) -> str:
 def _device(dev) -> dict:
     out = dataclasses.asdict(dev)
     out["nvlinks_down"] = list(dev.nvlinks_down)
+    out["netdevs"] = list(dev.netdevs)
     return out

@@ -92,3 +92,36 @@ def _gpu_line(layout: Layout, gpu: Device) -> str:
     bits.append(f"CPUs {gpu.cpu_affinity or 'unknown'}")
     bits.append(f"NUMA {gpu.numa_affinity or 'unknown'}")
     return "; ".join(bits)
+
+
+def render_suggestion(layout: Layout, nranks: int, as_json: bool = False) -> str:
+    """``gpucoll topo --suggest N``: the GPU order, CPUs and NICs for N ranks, and the command
+    that applies them."""
+    from gpucoll.topology.placement import suggest
+
+    places, notes = suggest(layout, nranks)
+    order = ",".join(str(p.gpu) for p in places[: len(layout.gpus)] if p.gpu is not None)
+    if as_json:
+        import json
+
+        doc = {"ranks": nranks, "cuda_visible_devices": order,
+               "cuda_device_order": "PCI_BUS_ID",
+               "placements": [{"rank": p.rank, "gpu": p.gpu, "cpus": p.cpus, "numa": p.numa,
+                               "nics": list(p.nics), "netdevs": list(p.netdevs),
+                               "nic_label": p.nic_label, "env": p.nccl_env()} for p in places],
+               "notes": notes}
+        return json.dumps(doc, indent=2) + "\n"
+    source = layout.observed.path or layout.observed.source
+    lines = [f"Placement of {nranks} rank(s), from {source}:"]
+    if order:
+        lines.append(f"  CUDA_VISIBLE_DEVICES={order}  (with CUDA_DEVICE_ORDER=PCI_BUS_ID: "
+                     "these are PCI bus order indices)")
+    for p in places:
+        env = " ".join(f"{k}={v}" for k, v in p.nccl_env().items())
+        lines.append(f"  rank {p.rank}: {p.describe()}" + (f"; {env}" if env else ""))
+    lines += [f"  note: {n}" for n in notes]
+    if order:
+        lines += ["Apply it with:",
+                  f"  CUDA_DEVICE_ORDER=PCI_BUS_ID CUDA_VISIBLE_DEVICES={order} "
+                  f"gpucoll run -n {nranks} --bind train.py"]
+    return "\n".join(lines) + "\n"
