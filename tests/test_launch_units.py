@@ -8,11 +8,24 @@ import threading
 
 import pytest
 
-from gpucoll.launch import report
-from gpucoll.launch.config import LaunchConfig, LaunchError, validate
-from gpucoll.launch.devices import device_env, visible_gpus
-from gpucoll.launch.environ import rank_env
-from gpucoll.launch.output import MAX_LINE, TAIL_LINES, TAIL_WIDTH, Console, RankOutput
+from gpucoll.launch.config import (
+    LaunchConfig,
+    LaunchError,
+    device_env,
+    rank_env,
+    validate,
+    visible_gpus,
+)
+from gpucoll.launch.supervisor import (
+    MAX_LINE,
+    TAIL_LINES,
+    TAIL_WIDTH,
+    Console,
+    RankOutput,
+    describe,
+    exit_status,
+    root_cause,
+)
 
 
 class Sink:
@@ -82,12 +95,12 @@ def test_ranks_of_node_one_continue_the_numbering_of_node_zero():
     (-signal.SIGSEGV, 139, "signal SIGSEGV (exit 139)"),
 ])
 def test_exit_statuses_follow_the_shell_convention(code, status, text):
-    assert report.exit_status(code) == status
-    assert report.describe(code) == text
+    assert exit_status(code) == status
+    assert describe(code) == text
 
 
 def test_the_root_cause_report_names_rank_exit_and_last_stderr():
-    text = report.root_cause(5, 1, 2, 4242, 3, 1.25, ["Traceback", "ValueError: bad"],
+    text = root_cause(5, 1, 2, 4242, 3, 1.25, ["Traceback", "ValueError: bad"],
                              ["rank 4: exit code 0"])
     assert "rank 5 failed first" in text and "local rank 1 on node 2, pid 4242" in text
     assert "exit code 3" in text and "ValueError: bad" in text and "rank 4: exit code 0" in text
@@ -207,7 +220,7 @@ def _topology(stem: str) -> str:
 
 def _bind(nproc, stem, gpus=(), environ=None, allowed=frozenset(range(256)), nodes=None,
           node_rank=0, nnodes=1):
-    from gpucoll.launch.environ import bindings
+    from gpucoll.launch.config import bindings
 
     cfg = LaunchConfig(program="x.py", nproc=nproc, nnodes=nnodes, node_rank=node_rank,
                        bind=True, topology=_topology(stem) if stem else None, token="t")
@@ -254,7 +267,7 @@ def test_bind_leaves_a_gpu_the_topology_lacks_alone():
 
 
 def test_bind_without_gpus_spreads_ranks_over_the_numa_nodes():
-    from gpucoll.launch.environ import _numa_spread
+    from gpucoll.launch.config import _numa_spread
 
     cfg = LaunchConfig(program="x.py", nproc=4, bind=True)
     b = _numa_spread(cfg, "no GPU", {0, 1, 2, 3}, {0: {0, 1}, 1: {2, 3}})
@@ -263,7 +276,7 @@ def test_bind_without_gpus_spreads_ranks_over_the_numa_nodes():
 
 
 def test_bind_on_one_numa_node_without_gpus_pins_nothing_and_says_why_once():
-    from gpucoll.launch.environ import _numa_spread
+    from gpucoll.launch.config import _numa_spread
 
     cfg = LaunchConfig(program="x.py", nproc=3, bind=True)
     b = _numa_spread(cfg, "no NVIDIA GPU on this machine", {0, 1}, {0: {0, 1}})
@@ -273,7 +286,7 @@ def test_bind_on_one_numa_node_without_gpus_pins_nothing_and_says_why_once():
 
 
 def test_numa_nodes_are_read_from_sysfs(tmp_path):
-    from gpucoll.launch.environ import numa_nodes
+    from gpucoll.launch.config import numa_nodes
 
     for node, cpus in (("node0", "0-3\n"), ("node1", "4-7,12\n")):
         (tmp_path / node).mkdir()

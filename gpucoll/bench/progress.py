@@ -15,7 +15,7 @@ import sys
 import time
 from typing import TextIO
 
-from gpucoll.launch.output import TTY_ENV
+from gpucoll.launch.supervisor import TTY_ENV
 
 WIDTH = 28
 AUTO_DELAY = 2.0  # seconds before an unrequested bar appears: short sweeps never flicker
