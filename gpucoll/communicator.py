@@ -50,7 +50,7 @@ from gpucoll.errors import (
 )
 from gpucoll.progress import KIND
 from gpucoll.signature import SignatureCheck
-from gpucoll.store.gather import Liveness, gather, leave_group
+from gpucoll.store.gather import Liveness, leave_group, share
 from gpucoll.validation import Call, check_timeout
 from gpucoll.work import Work
 
@@ -535,9 +535,8 @@ class Communicator:
         n = self._agreements
         self._agreements += 1
         keys = [f"agree/{n}/{r}" for r in range(self.size)]
-        self._store.set(keys[self.rank], value)
-        values = gather(self._store, keys, t, what=c.name, rank=self.rank,
-                        absent="did not call it", liveness=self._liveness)
+        values = share(self._store, keys, value, t, what=c.name, rank=self.rank,
+                       absent="did not call it", liveness=self._liveness)
         if n >= 2:
             self._store.delete_key(f"agree/{n - 2}/{self.rank}")
         return values
