@@ -8,9 +8,9 @@ import threading
 
 import pytest
 
+from gpucoll.errors import LaunchError
 from gpucoll.launch.config import (
     LaunchConfig,
-    LaunchError,
     device_env,
     rank_env,
     validate,
@@ -301,3 +301,14 @@ def test_topology_without_bind_or_missing_is_refused(tmp_path):
         validate(LaunchConfig(program=__file__, topology=_topology("a10")))
     with pytest.raises(LaunchError, match="--topology: no such file"):
         validate(LaunchConfig(program=__file__, bind=True, topology=str(tmp_path / "x")))
+
+
+def test_launch_errors_are_exported_in_the_one_hierarchy():
+    import pickle
+
+    import gpucoll
+
+    with pytest.raises(gpucoll.LaunchError) as info:
+        validate(LaunchConfig(program="no-such-script.py"))
+    assert isinstance(info.value, gpucoll.GpucollError) and isinstance(info.value, ValueError)
+    assert str(pickle.loads(pickle.dumps(info.value))) == str(info.value)

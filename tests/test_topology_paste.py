@@ -8,8 +8,8 @@ from pathlib import Path
 
 import pytest
 
+from gpucoll.errors import TopologyParseError
 from gpucoll.topology.build import observed_from_smi
-from gpucoll.topology.errors import TopologyParseError
 from gpucoll.topology.layout import analyze
 from gpucoll.topology.smi import DEFAULT_EXTRAS, parse_smi
 

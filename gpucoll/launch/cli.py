@@ -19,8 +19,8 @@ import secrets
 import socket
 import threading
 
-from gpucoll.errors import StoreError
-from gpucoll.launch.config import LaunchConfig, LaunchError, bindings, validate
+from gpucoll.errors import LaunchError, StoreError
+from gpucoll.launch.config import LaunchConfig, bindings, validate
 from gpucoll.launch.supervisor import Job, RemoteAbort, console
 from gpucoll.rendezvous import store_url
 

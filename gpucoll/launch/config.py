@@ -21,11 +21,8 @@ import os
 import re
 import sys
 
+from gpucoll.errors import LaunchError
 from gpucoll.rendezvous import store_url
-
-
-class LaunchError(ValueError):
-    """The command line asks for something that cannot run; nothing has been started."""
 
 
 @dataclasses.dataclass(frozen=True)

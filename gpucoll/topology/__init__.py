@@ -9,7 +9,7 @@ from __future__ import annotations
 
 from collections.abc import Iterable
 
-from gpucoll.topology.errors import TopologyParseError, TopologyUnavailable
+from gpucoll.errors import TopologyParseError, TopologyUnavailable
 from gpucoll.topology.layout import Layout, ring_over
 from gpucoll.topology.probe import load, probe
 

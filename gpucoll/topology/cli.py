@@ -5,7 +5,7 @@ from __future__ import annotations
 import argparse
 import sys
 
-from gpucoll.topology.errors import TopologyParseError, TopologyUnavailable
+from gpucoll.errors import TopologyParseError, TopologyUnavailable
 
 
 def parser() -> argparse.ArgumentParser:

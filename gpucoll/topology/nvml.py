@@ -11,7 +11,7 @@ import os
 from types import ModuleType
 from typing import Any
 
-from gpucoll.topology.errors import TopologyUnavailable
+from gpucoll.errors import TopologyUnavailable
 from gpucoll.topology.facts import NvLink, NvmlFacts, NvmlGpu, NvmlPair, PcieLink
 
 _REMOTE_KINDS = {0: "gpu", 1: "cpu", 2: "switch"}  # NVML_NVLINK_DEVICE_TYPE_{GPU,IBMNPU,SWITCH}

@@ -5,8 +5,8 @@ from __future__ import annotations
 from pathlib import Path
 from typing import Any
 
+from gpucoll.errors import TopologyUnavailable
 from gpucoll.topology.build import observed_from_nvml, observed_from_smi, observed_from_sysfs
-from gpucoll.topology.errors import TopologyUnavailable
 from gpucoll.topology.layout import Layout, analyze
 from gpucoll.topology.nvml import read_nvml
 from gpucoll.topology.smi import read_smi

@@ -21,7 +21,7 @@ from __future__ import annotations
 import re
 from pathlib import Path
 
-from gpucoll.topology.errors import TopologyParseError
+from gpucoll.errors import TopologyParseError
 from gpucoll.topology.facts import SmiFacts
 from gpucoll.topology.labels import is_label
 
