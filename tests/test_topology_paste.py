@@ -9,9 +9,8 @@ from pathlib import Path
 import pytest
 
 from gpucoll.errors import TopologyParseError
-from gpucoll.topology.build import observed_from_smi
 from gpucoll.topology.layout import analyze
-from gpucoll.topology.smi import DEFAULT_EXTRAS, parse_smi
+from gpucoll.topology.smi import DEFAULT_EXTRAS, observed_from_smi, parse_smi
 
 DATA = Path(__file__).parent / "data" / "topology"
 SAVED = sorted(DATA.glob("*.txt"))

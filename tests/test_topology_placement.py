@@ -114,8 +114,8 @@ def test_many_gpus_choose_the_best_arc_of_the_whole_ring():
 
 
 def load_text(text: str):
-    from gpucoll.topology.build import observed_from_smi
     from gpucoll.topology.layout import analyze
+    from gpucoll.topology.smi import observed_from_smi
 
     return analyze(observed_from_smi(parse_smi(text)))
 

@@ -44,13 +44,13 @@ def main(argv: list[str] | None = None) -> int:
         print(f"gpucoll topo: {exc}", file=sys.stderr)
         return 1
     if args.suggest is not None:
-        from gpucoll.topology.render_text import render_suggestion
+        from gpucoll.topology.render import render_suggestion
 
         print(render_suggestion(layout, args.suggest, as_json=args.json), end="")
         return 0
     print(_render(layout, args), end="")
     if args.png:
-        from gpucoll.topology.render_png import render_png
+        from gpucoll.topology.render import render_png
 
         render_png(layout, args.png)
     return 0
@@ -58,13 +58,13 @@ def main(argv: list[str] | None = None) -> int:
 
 def _render(layout, args: argparse.Namespace) -> str:
     if args.json:
-        from gpucoll.topology.render_json import render_json
+        from gpucoll.topology.render import render_json
 
         return render_json(layout)
     if args.dot:
-        from gpucoll.topology.render_dot import render_dot
+        from gpucoll.topology.render import render_dot
 
         return render_dot(layout)
-    from gpucoll.topology.render_text import render_text
+    from gpucoll.topology.render import render_text
 
     return render_text(layout)

@@ -19,9 +19,7 @@ import itertools
 import math
 from collections.abc import Sequence
 
-from gpucoll.topology import labels
-from gpucoll.topology.layout import Device, Layout, ring_over
-from gpucoll.topology.ring import ring_key
+from gpucoll.topology.layout import Device, Layout, pcie_level, ring_key, ring_over, weight
 
 EXHAUSTIVE_RINGS = 20_000  # rings to compare at most when choosing a subset of GPUs
 
@@ -134,8 +132,8 @@ def _nearer_than_others(layout: Layout, gpu: Device, label: str | None) -> bool:
     """True when the GPU's nearest NICs are nearer than some other NIC."""
     if label is None:
         return False
-    best = labels.pcie_level(label)
-    levels = [labels.pcie_level(layout.matrix[gpu.name][n.name]) for n in layout.nics]
+    best = pcie_level(label)
+    levels = [pcie_level(layout.matrix[gpu.name][n.name]) for n in layout.nics]
     return any(level is not None and level > best for level in levels)
 
 
@@ -163,7 +161,7 @@ def choose_gpus(layout: Layout, count: int) -> list[int]:
 
 
 def _weight(layout: Layout, a: int, b: int) -> int:
-    return labels.weight(layout.matrix[f"GPU{a}"][f"GPU{b}"])
+    return weight(layout.matrix[f"GPU{a}"][f"GPU{b}"])
 
 
 def visible_indices(layout: Layout, visible: Sequence[str]) -> list[int | None]:

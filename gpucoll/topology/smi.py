@@ -23,7 +23,7 @@ from pathlib import Path
 
 from gpucoll.errors import TopologyParseError
 from gpucoll.topology.facts import SmiFacts
-from gpucoll.topology.labels import is_label
+from gpucoll.topology.layout import Device, Finding, Observed, is_label
 
 # Columns printed after the matrix, longest first (GPU NUMA ID contains NUMA ID).
 KNOWN_EXTRAS = ("CPU Affinity", "NUMA Affinity", "GPU NUMA ID", "NUMA ID")
@@ -310,3 +310,42 @@ def _infer_nic_legend(columns: tuple[str, ...], nic_legend: dict[str, str],
     notes.append(f"the NIC legend stops short of {', '.join(missing)}: named "
                  f"{', '.join(nic_legend[n] for n in missing)} after the pattern of the "
                  "entries it has")
+
+
+def observed_from_smi(smi: SmiFacts) -> Observed:
+    """Devices and labels of a saved nvidia-smi output; a missing row is filled from the
+    columns of the printed rows (the matrix is symmetric), else left None."""
+    devices = tuple(_smi_device(smi, name) for name in smi.columns)
+    matrix = {a: {b: _smi_cell(smi, a, b) for b in smi.columns} for a in smi.columns}
+    missing = [name for name in smi.columns if name not in smi.rows]
+    notes = tuple(Finding("inferred", f"read from a damaged copy: {note}") for note in smi.notes)
+    if missing:
+        notes += (Finding("partial", f"the output lacks the rows of {', '.join(missing)}: "
+                          "their cells come from the other rows' columns where printed, and "
+                          "their CPU affinity is unknown", tuple(missing)),)
+    return Observed("nvidia-smi", smi.source, devices, matrix, None, notes)
+
+
+def _smi_cell(smi: SmiFacts, a: str, b: str) -> str | None:
+    if a == b:
+        return "X"
+    if a in smi.rows:
+        return smi.rows[a][smi.columns.index(b)]
+    if b in smi.rows:
+        return smi.rows[b][smi.columns.index(a)]
+    return None
+
+
+def _smi_device(smi: SmiFacts, name: str) -> Device:
+    extras = smi.extras.get(name, {})
+    gpu = re.fullmatch(r"GPU(\d+)", name)
+    if gpu:
+        kind, index, legend = "gpu", int(gpu.group(1)), None
+    else:
+        nics = [c for c in smi.columns if not re.fullmatch(r"GPU\d+", c)]
+        kind, index = "nic", nics.index(name)
+        legend = smi.nic_legend.get(name, None if re.fullmatch(r"NIC\d+", name) else name)
+    return Device(name=name, kind=kind, index=index, device=legend,
+                  cpu_affinity=extras.get("CPU Affinity") or None,
+                  numa_affinity=extras.get("NUMA Affinity") or extras.get("NUMA ID") or None,
+                  gpu_numa_id=extras.get("GPU NUMA ID") or None)
