@@ -14,8 +14,7 @@ import pytest
 from multiproc import spawn
 from test_bench_report import parse_log
 
-from gpucoll.bench.engine import Case, Engine, case_total, cases, combine, placed
-from gpucoll.bench.memory import HostMemory
+from gpucoll.bench.engine import Case, Engine, HostMemory, case_total, cases, combine, placed
 from gpucoll.bench.options import parse_args
 
 
@@ -183,7 +182,7 @@ def test_in_place_buffers_alias_as_nccl_defines_them():
 
 @pytest.mark.gpu
 def test_device_buffers_are_timed_with_cuda_events_and_checked():
-    from gpucoll.bench.memory import CudaEventTimer, DeviceMemory
+    from gpucoll.bench.engine import CudaEventTimer, DeviceMemory
 
     mem = DeviceMemory()
     assert isinstance(mem.timer(), CudaEventTimer)
@@ -230,8 +229,8 @@ ALL = ["all", "-b", "8", "-e", "64K", "-f", "64", "-n", "3", "-w", "1", "-d", "f
 
 def _sweep_rank(rank, n, addr, argv):
     import gpucoll
+    from gpucoll.bench.cli import sweep
     from gpucoll.bench.libraries import GpucollLibrary
-    from gpucoll.bench.ranks import sweep
     from gpucoll.bench.session import Console
 
     opts = parse_args(argv)

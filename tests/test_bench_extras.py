@@ -7,9 +7,9 @@ import os
 
 import pytest
 
-from gpucoll.bench import ceilings, progress
-from gpucoll.bench.plot import plot
-from gpucoll.bench.progress import Progress
+from gpucoll.bench import engine, session
+from gpucoll.bench.report import plot
+from gpucoll.bench.session import Progress
 
 
 class Tty(io.StringIO):
@@ -28,7 +28,7 @@ class Clock:
 @pytest.fixture
 def clock(monkeypatch):
     fake = Clock()
-    monkeypatch.setattr(progress.time, "monotonic", fake)
+    monkeypatch.setattr(session.time, "monotonic", fake)
     return fake
 
 
@@ -54,7 +54,7 @@ def test_on_a_terminal_the_bar_appears_only_once_the_sweep_runs_a_few_seconds(cl
     bar = Progress(4, None, stream)
     bar.step("all_reduce 8 B")
     assert stream.getvalue() == ""  # a short sweep never shows a bar
-    clock.now += progress.AUTO_DELAY
+    clock.now += session.AUTO_DELAY
     bar.tick()
     assert "1/4 all_reduce 8 B" in stream.getvalue()
 
@@ -71,7 +71,7 @@ def test_tick_redraws_the_elapsed_time_between_table_lines(clock):
     stream = Tty()
     bar = Progress(2, True, stream)
     bar.step("all_reduce 1 GiB")
-    clock.now += progress.REDRAW / 2
+    clock.now += session.REDRAW / 2
     bar.tick()
     assert stream.getvalue().count("1/2") == 1  # not redrawn at once
     clock.now += 7
@@ -111,18 +111,18 @@ def test_the_bar_is_drawn_on_the_terminal_the_launcher_names(monkeypatch):
 
 def test_a_terminal_that_cannot_be_opened_falls_back_to_stderr(monkeypatch, tmp_path):
     monkeypatch.setenv("GPUCOLL_TTY", str(tmp_path / "no-such-tty"))
-    assert progress.terminal() == (__import__("sys").stderr, False)
+    assert session.terminal() == (__import__("sys").stderr, False)
 
 
 def test_host_ceilings_name_what_they_count():
-    found = ceilings.host_ceilings(1 << 20)
+    found = engine.host_ceilings(1 << 20)
     assert [c["name"] for c in found] == ["host memcpy", "host add (reduce step)"]
     assert all(c["GBps"] > 0 and c["bytes"] == 1 << 20 for c in found)
 
 
 @pytest.mark.gpu
 def test_device_ceilings_cover_both_directions_pinned_and_pageable():
-    names = [c["name"] for c in ceilings.device_ceilings(1 << 20)]
+    names = [c["name"] for c in engine.device_ceilings(1 << 20)]
     assert names == ["H2D pinned", "D2H pinned", "H2D pageable", "D2H pageable"]
 
 
@@ -152,7 +152,7 @@ def test_plot_without_results_says_so(tmp_path):
 def test_the_title_sits_above_the_first_panel_without_touching_it(panels):
     import matplotlib.pyplot as plt
 
-    from gpucoll.bench.plot import figure
+    from gpucoll.bench.report import figure
 
     runs = [_run("gpucoll", ranks, (0.001, 0.5, 5.0)) for ranks in (2, 3, 4)[:panels]]
     fig = figure(runs, [], title="gpucoll bench on a-long-host-name (AMD EPYC 7B13, 2 cores)")
