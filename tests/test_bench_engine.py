@@ -142,6 +142,12 @@ def test_a_slow_call_still_gets_the_minimum_warm_up_and_one_call_a_loop():
     assert lib.calls["broadcast"] == 1 + 2 + 3
 
 
+def test_no_warm_up_at_all_takes_the_pace_from_the_first_call():
+    lib, r = _paced_run(1e-3, ["--time", "0.01", "--loops", "2", "--warmup-time", "0",
+                               "-w", "0", "-c", "0"])
+    assert (r.out_of_place.iters, lib.calls["broadcast"]) == (5, 1 + 2 * 5)
+
+
 def test_the_mean_median_and_spread_come_from_the_loops():
     from gpucoll.bench.engine import Timing
 

@@ -257,7 +257,7 @@ class Engine:
             return opts.iters
         first = self.agree_max(self._loop(fn, 1))
         warm = _clamp(math.ceil(opts.warmup_time / max(first, 1e-9)), opts.warmup, MAX_WARMUP)
-        pace = self.agree_max(self._loop(fn, warm) / warm)
+        pace = self.agree_max(self._loop(fn, warm) / warm) if warm else first
         self.tick()
         return _clamp(math.ceil(opts.time / opts.loops / max(pace, 1e-9)), 1, MAX_ITERS)
 
