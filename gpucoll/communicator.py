@@ -55,7 +55,7 @@ from gpucoll.objects import ObjectCalls
 from gpucoll.outplace import OutOfPlaceCalls
 from gpucoll.progress import KIND
 from gpucoll.signature import SignatureCheck
-from gpucoll.store.gather import Liveness, gather, leave_group
+from gpucoll.store.gather import Liveness, leave_group, share
 from gpucoll.uneven import UnevenCalls
 from gpucoll.validation import VALID_OPS, Call, check_timeout
 from gpucoll.work import Work
@@ -604,9 +604,8 @@ class Communicator(OutOfPlaceCalls, UnevenCalls, ObjectCalls, PointToPointCalls,
         n = self._agreements
         self._agreements += 1
         keys = [f"agree/{n}/{r}" for r in range(self.size)]
-        self._store.set(keys[self.rank], value)
-        values = gather(self._store, keys, t, what=c.name, rank=self.rank,
-                        absent="did not call it", liveness=self._liveness)
+        values = share(self._store, keys, value, t, what=c.name, rank=self.rank,
+                       absent="did not call it", liveness=self._liveness)
         if n >= 2:
             self._store.delete_key(f"agree/{n - 2}/{self.rank}")
         return values
