@@ -33,8 +33,8 @@ import time
 import uuid
 from collections.abc import Iterator
 
-from gpucoll.bench import peers
 from gpucoll.bench.engine import Result
+from gpucoll.bench.libraries import peer_available
 
 SUBNET = "10.213.{}.{}"
 LIBRARIES = ("gpucoll", "gloo", "mpi")
@@ -233,7 +233,7 @@ def main(argv: list[str] | None = None) -> int:
     unknown = [lib for lib in wanted if lib not in LIBRARIES]
     if unknown:
         p.error(f"unknown libraries {unknown}; expected some of {', '.join(LIBRARIES)}")
-    skipped = {lib: peers.available(lib) for lib in wanted if lib != "gpucoll"}
+    skipped = {lib: peer_available(lib) for lib in wanted if lib != "gpucoll"}
     skipped = {lib: why for lib, why in skipped.items() if why}
     libraries = [lib for lib in wanted if lib not in skipped]
     args = bench_args(ns.minbytes, ns.maxbytes, ns.iters, ns.warmup)
