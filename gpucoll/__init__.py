@@ -21,6 +21,7 @@ _EXPORTS = {
     "FrameError": "gpucoll.errors",
     "RendezvousError": "gpucoll.errors",
     "BackendUnavailable": "gpucoll.errors",
+    "NcclFailure": "gpucoll.errors",
     "UsageError": "gpucoll.errors",
     "ReduceOp": "gpucoll.ops",
     "TCPStore": "gpucoll.store",

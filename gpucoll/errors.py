@@ -71,12 +71,26 @@ class BackendUnavailable(GpucollError):
     """The requested backend cannot run here (no CuPy, no NCCL, no device, ...)."""
 
 
+class NcclFailure(GpucollError):
+    """NCCL reported an error for an op on a rank; ``status`` is its ``ncclResult_t`` (None
+    when nccl4py refused the call before NCCL saw it). ``ncclRemoteError`` is a
+    ``PeerFailure`` and ``ncclTimeout`` a ``CollectiveTimeout`` instead."""
+
+    def __init__(self, message: str, status: int | None = None):
+        super().__init__(message)
+        self.status = status
+
+    def __reduce__(self):
+        return (type(self), (str(self), self.status))
+
+
 __all__ = [
     "BackendUnavailable",
     "CollectiveMismatch",
     "CollectiveTimeout",
     "FrameError",
     "GpucollError",
+    "NcclFailure",
     "PeerFailure",
     "RendezvousError",
     "StoreError",

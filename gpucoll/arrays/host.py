@@ -124,5 +124,5 @@ class HostAdapter(Adapter):
             part, "host", ref.ptr + start * size, (count,), ref.dtype, count, count * size, part
         )
 
-    def write_back(self, ref: ArrayRef, obj: Any) -> None:
+    def write_back(self, ref: ArrayRef, obj: Any, stream: Any = None) -> None:
         np.copyto(to_numpy(obj), ref.host.reshape(ref.shape))
