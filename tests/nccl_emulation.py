@@ -158,6 +158,7 @@ class Communicator:
     def __init__(self) -> None:
         self._valid = False  # a null communicator, as nccl4py's Communicator()
         self._inside: dict[int, str] = {}
+        self.abort_calls = 0
 
     @classmethod
     def init(cls, nranks: int, rank: int, unique_id: Any, config: Any = None) -> Communicator:
@@ -299,6 +300,7 @@ class Communicator:
         self._state = code
 
     def abort(self) -> None:
+        self.abort_calls += 1
         if not self._valid:
             return
         others = {t: n for t, n in self._inside.items() if t != threading.get_ident()}

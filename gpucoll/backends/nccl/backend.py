@@ -83,8 +83,10 @@ class NcclBackend(Backend):
         self._closed = False
         self._last: Pending | None = None
         self._scratch: Any = None
+        positions = Positions(store, rank, size, self.progress)
+        _driver.diagnose = positions.diagnose
         self._watchdog = Watchdog(rank, size, self._check_async, self._fail, _driver.liveness,
-                                  Positions(store, rank, size, self.progress))
+                                  positions)
 
     def _start(self, nc: Any, store: Any, timeout: float) -> Driver:
         """Arrival, the unique id, then the communicator, all within one deadline."""
@@ -92,9 +94,11 @@ class NcclBackend(Backend):
         liveness = Liveness.of(store, self.rank, self.size)
         boot.arrive(store, self.rank, self.size, timeout, liveness)
         uid = boot.share_unique_id(store, self.rank, nc, _left(deadline), liveness)
+        boot.enter(store, self.rank)
         with self._rt.using_device(self.device):
             return Driver.create(nc, self.size, self.rank, uid, deadline=deadline,
-                                 timeout=timeout, liveness=liveness)
+                                 timeout=timeout, liveness=liveness,
+                                 diagnose=lambda: boot.not_entered(store, self.rank, self.size))
 
     # ---- plumbing -------------------------------------------------------------------------
 

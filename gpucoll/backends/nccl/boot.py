@@ -16,6 +16,7 @@ from gpucoll.store.gather import Liveness, fetch, wait_for_ranks
 
 UID_KEY = "nccl/unique_id"
 ARRIVE_KEY = "nccl/arrived/{}"
+ENTER_KEY = "nccl/entered/{}"
 UID_BYTES = 128  # NCCL_UNIQUE_ID_BYTES
 
 
@@ -57,3 +58,21 @@ def share_unique_id(store: Any, rank: int, nc: Any, timeout: float, liveness: Li
     if len(raw) != UID_BYTES:
         raise ValueError(f"an NCCL unique id has {UID_BYTES} bytes, got {len(raw)}")
     return raw
+
+
+def enter(store: Any, rank: int) -> None:
+    """Mark that this rank is about to enter NCCL's start-up (``ncclCommInitRankConfig``)."""
+    store.set(ENTER_KEY.format(rank), str(rank))
+
+
+def not_entered(store: Any, rank: int, size: int) -> str:
+    """Which ranks have not entered NCCL's start-up, for a start-up that timed out."""
+    try:
+        values = store.peek([ENTER_KEY.format(r) for r in range(size)])
+    except Exception as exc:  # noqa: BLE001 - a diagnosis aid: the store may be gone
+        return f"which ranks entered it could not be read ({exc})"
+    missing = [r for r, v in enumerate(values) if v is None and r != rank]
+    if not missing:
+        return "every rank entered it"
+    names = ", ".join(map(str, missing))
+    return f"rank{'s' if len(missing) > 1 else ''} {names} never entered it"

@@ -62,13 +62,15 @@ class Driver:
         self.nc, self.comm = nc, comm
         self.rank, self.size = rank, size
         self.liveness = liveness
+        self.diagnose: Callable[[], str] | None = None  # where the ranks are, for a timeout
         self._lock = threading.Lock()
         self.failure: GpucollError | None = None
         self._freed = False  # aborted or destroyed: the handle must not be used again
 
     @classmethod
     def create(cls, nc: Any, size: int, rank: int, uid: bytes, *, deadline: float,
-               timeout: float, liveness: Any) -> Driver:
+               timeout: float, liveness: Any, diagnose: Callable[[], str] | None = None
+               ) -> Driver:
         """``ncclCommInitRankConfig`` on the current device, settled by ``deadline``."""
         config = nc.NCCLConfig(blocking=False)
         try:
@@ -76,7 +78,7 @@ class Driver:
         except Exception as exc:  # noqa: BLE001 - nccl4py's and NCCL's errors alike
             raise translate(exc, "NCCL start-up", rank, size) from exc
         driver = cls(nc, comm, rank, size, liveness)
-        driver.settle("NCCL start-up", deadline, timeout)
+        driver.settle("NCCL start-up", deadline, timeout, diagnose)
         return driver
 
     # ---- calls --------------------------------------------------------------------------
@@ -127,6 +129,7 @@ class Driver:
                 except PeerFailure as exc:
                     raise self.fail(exc) from None
             if now > deadline:
+                diagnose = diagnose or self.diagnose
                 why = f"; {diagnose()}" if diagnose is not None else ""
                 raise self.fail(CollectiveTimeout(
                     f"{opname} on rank {self.rank} of {self.size} did not complete within "
