@@ -7,6 +7,7 @@ from __future__ import annotations
 import ctypes
 import pathlib
 import sys
+import types
 
 import numpy as np
 import pytest
@@ -124,6 +125,20 @@ def test_a_tensor_that_requires_grad_is_used_through_detach(rt):
     source = RequiresGrad(memory)
     ref = as_ref(source, "x")
     assert ref.array is source and ref.ptr == memory.ptr and ref.dtype == np.float32
+
+
+def test_a_torch_tensors_producer_stream_is_torchs_current_stream(rt, monkeypatch):
+    stream = types.SimpleNamespace(cuda_stream=0x5150)
+    torch = types.SimpleNamespace(cuda=types.SimpleNamespace(current_stream=lambda dev: stream))
+    monkeypatch.setitem(sys.modules, "torch", torch)
+    memory = FakeDeviceArray(np.ones(3, np.float32), rt)
+    cai = {"shape": (3,), "typestr": "<f4", "data": (memory.ptr, False), "strides": None,
+           "version": 2}  # torch's interface names no stream
+    tensor_type = type("Tensor", (), {"__module__": "torch", "dtype": "torch.float32",
+                                      "device": types.SimpleNamespace(index=0),
+                                      "__cuda_array_interface__": cai})
+    ref = as_ref(tensor_type(), "x")
+    assert (ref.stream, ref.device, ref.dtype) == (0x5150, 0, np.float32)
 
 
 def test_bfloat16_from_every_kind_of_producer_reaches_nccl_as_bfloat16(rt, store_addr):

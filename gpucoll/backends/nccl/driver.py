@@ -92,6 +92,8 @@ class Driver:
                 fn(*args, **kwargs)
             except Exception as exc:  # noqa: BLE001
                 raise self._refused(exc, opname) from exc
+            if int(self.comm.get_async_error()) == SUCCESS:  # the usual case: enqueued
+                return
         self.settle(opname, deadline, timeout)
 
     def group(self, opname: str, calls: list[tuple[Callable, tuple, dict]], *, deadline: float,
