@@ -3,10 +3,14 @@
 ``StagedBackend`` wraps a host backend (the ring). Host buffers pass straight through. For
 device buffers of element-wise ops (all_reduce, broadcast, reduce, send, recv) the data moves in
 chunks through two pinned buffers: while the ring works on chunk i on the host, the copy of
-chunk i+1 to the host is already running on the stream, and chunk i-1's result is on its way
-back. Ops that rearrange slots (gathers, scatters, all-to-all) stage whole buffers. Every copy
-is queued on the call's stream (default: the current stream), so the staged call is ordered
-after earlier work on it and later work sees the results.
+chunk i+1 to the host and the copy of chunk i-1's result back are both queued on the stream,
+and the host waits only for the copy of the chunk it works on next. Ops that rearrange slots
+(gathers, scatters, all-to-all) stage whole buffers. Every copy is queued on the call's stream
+(default: the issuing thread's current stream), which first waits for the data's producers, so
+the staged call is ordered after them and later work on the stream sees the results; the call
+runs with the arrays' device current. Pinned buffers and device arrays stay referenced until
+the copies that use them are done (``cuda.hold``), and an asynchronous call's Work is complete
+only once its copies back are.
 """
 
 from __future__ import annotations

@@ -183,14 +183,20 @@ class Driver:
 
     def close(self, deadline: float) -> None:
         """Finalize (collective: waits, within ``deadline``, for the peers' own close) and
-        destroy; abort instead after a failure or when finalize does not settle. Never raises."""
+        destroy; abort instead after a failure, or when finalize is refused or does not
+        settle. Never raises."""
         with self._lock:
             if self._freed:
                 return
             try:
                 self.comm.finalize()
-            except Exception:  # noqa: BLE001
-                deadline = 0.0
+            except Exception:  # noqa: BLE001 - destroy would finalize again, blocking: abort
+                refused = True
+            else:
+                refused = False
+        if refused:
+            self.fail(GpucollError(f"close on rank {self.rank}: NCCL refused to finalize"))
+            return
         try:
             self.settle("close", deadline, max(deadline - time.monotonic(), 0.0))
         except GpucollError:
