@@ -282,6 +282,9 @@ class _Doubler:
         self.chunks += 1
         np.multiply(x.host, 2, out=x.host)
 
+    def all_gather(self, x, out, *, timeout):
+        out.host[...] = x.host
+
 
 def test_the_ring_works_on_the_next_chunk_while_a_chunks_copy_back_is_queued(rt):
     releases = []
@@ -307,11 +310,15 @@ def test_pinned_buffers_outlive_the_copies_that_still_read_them(rt):
     x1 = dev(rt, np.arange(16, dtype=np.float32))
     staged.all_reduce(as_ref(x1, "x"), ReduceOp.SUM, timeout=5, stream=s1)  # copy back queued
     staged.inner.on_chunk = None
-    x2 = dev(rt, np.full(64, 7.0, np.float32))  # larger: new pinned buffers
+    x2 = dev(rt, np.full(64, 7.0, np.float32))  # larger: new pinned buffers replace the pair
     staged.all_reduce(as_ref(x2, "x"), ReduceOp.SUM, timeout=5)
+    x3 = dev(rt, np.full(16, -5.0, np.float32))  # staged whole: new pinned buffers again
+    out3 = dev(rt, np.zeros(16, np.float32))
+    staged.all_gather(as_ref(x3, "x"), as_ref(out3, "out"), timeout=5)
     releases.pop()()
     np.testing.assert_array_equal(x1.get(stream=s1), np.arange(16) * 2)
     np.testing.assert_array_equal(x2.get(), np.full(64, 14.0))
+    np.testing.assert_array_equal(out3.get(), np.full(16, -5.0))
 
 
 # ---- 11. avg: what each backend computes, at the tolerance that follows -----------------------
