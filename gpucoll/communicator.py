@@ -20,7 +20,6 @@ their input (all_reduce, broadcast, reduce, recv) the result is copied back into
 
 from __future__ import annotations
 
-import functools
 import json
 import os
 import struct
@@ -41,6 +40,7 @@ from gpucoll.arrays import (
     write_back,
 )
 from gpucoll.backends.base import Backend
+from gpucoll.batch import PointToPointCalls
 from gpucoll.errors import (
     CollectiveMismatch,
     CollectiveTimeout,
@@ -49,9 +49,15 @@ from gpucoll.errors import (
     StoreError,
     UsageError,
 )
+from gpucoll.fused import FusedCalls
+from gpucoll.groups import GroupCalls
+from gpucoll.guard import entry as _entry
+from gpucoll.objects import ObjectCalls
+from gpucoll.outplace import OutOfPlaceCalls
 from gpucoll.progress import KIND
 from gpucoll.signature import SignatureCheck
 from gpucoll.store.gather import Liveness, gather, leave_group
+from gpucoll.uneven import UnevenCalls
 from gpucoll.validation import VALID_OPS, Call, check_timeout
 from gpucoll.work import Work
 
@@ -66,31 +72,13 @@ def _forked() -> None:
 os.register_at_fork(after_in_child=_forked)
 
 
-def _entry(method: Callable) -> Callable:
-    """A public call: refused in a forked child, and while another thread is inside a call."""
-    name = method.__name__.lstrip("_")
-
-    @functools.wraps(method)
-    def call(self: Communicator, *args: Any, **kwargs: Any) -> Any:
-        if self._forked:
-            raise self._in_child(name)
-        if not self._entry.acquire(blocking=False):
-            raise self._concurrent(name)
-        self._inside = name
-        try:
-            return method(self, *args, **kwargs)
-        finally:
-            self._entry.release()
-
-    return call
-
-
 def debug_enabled() -> bool:
     """GPUCOLL_DEBUG=1 (any value but empty or 0) turns on the cross-rank signature check."""
     return os.environ.get("GPUCOLL_DEBUG", "") not in ("", "0")
 
 
-class Communicator:
+class Communicator(OutOfPlaceCalls, UnevenCalls, ObjectCalls, PointToPointCalls, FusedCalls,
+                   GroupCalls):
     """A group of ``size`` ranks; this process is ``rank``; ``backend`` names the engine.
 
     Every method is collective (all ranks of the group call it, in the same order) except
@@ -132,13 +120,15 @@ class Communicator:
 
     # -- reductions, in place ---------------------------------------------------------------
 
-    def all_reduce(self, x: Any, op: Any = "sum", *, async_op: bool = False,
+    def all_reduce(self, x: Any, op: Any = "sum", *, out: Any = None, async_op: bool = False,
                    timeout: float | None = None, stream: Any = None) -> Any:
         """Combine ``x`` over all ranks with ``op``, in place; returns ``x``.
 
-        Every rank gets a bit-identical result (a fixed reduction order).
+        Every rank gets a bit-identical result (a fixed reduction order). With ``out`` the
+        result lands there instead, ``x`` is only read, and ``out`` is returned.
         """
-        if type(x) is np.ndarray and not async_op and timeout is None and stream is None:
+        if (type(x) is np.ndarray and not async_op and timeout is None and stream is None
+                and out is None):
             lean = self._lean_backend
             try:
                 rop = VALID_OPS.get((op, x.dtype))
@@ -147,12 +137,14 @@ class Communicator:
             if lean is not None and rop is not None and x.flags.writeable and self._lean(
                     "all_reduce", _ALL_REDUCE, lean.host_all_reduce, x, rop):
                 return x
-        return self._all_reduce(x, op, async_op, timeout, stream)
+        return self._all_reduce(x, op, async_op, timeout, stream, out)
 
     @_entry
     def _all_reduce(self, x: Any, op: Any, async_op: bool, timeout: float | None,
-                    stream: Any) -> Any:
+                    stream: Any, out: Any = None) -> Any:
         c = self._call("all_reduce")
+        if out is not None:
+            return self._all_reduce_out(c, x, out, op, async_op, timeout, stream)
         ref = c.array(x, "x", writable=True)
         rop = c.op(op, ref.dtype)
         t = c.timeout(timeout, self.timeout)
@@ -162,10 +154,16 @@ class Communicator:
                            x, async_op, stream, ref, x)
 
     @_entry
-    def reduce(self, x: Any, root: int = 0, op: Any = "sum", *, async_op: bool = False,
-               timeout: float | None = None, stream: Any = None) -> Any:
-        """Combine ``x`` over all ranks into root's ``x``; returns ``x`` (unchanged off root)."""
+    def reduce(self, x: Any, root: int = 0, op: Any = "sum", *, out: Any = None,
+               async_op: bool = False, timeout: float | None = None, stream: Any = None) -> Any:
+        """Combine ``x`` over all ranks into root's ``x``; returns ``x`` (unchanged off root).
+
+        With ``out`` the result lands in root's ``out`` instead and ``x`` is only read; returns
+        ``out``. Other ranks may pass ``out=None`` (their ``out`` is never written).
+        """
         c = self._call("reduce")
+        if out is not None:
+            return self._reduce_out(c, x, out, root, op, async_op, timeout, stream)
         root = c.rank_arg(root, "root")
         ref = c.array(x, "x", writable=self.rank == root)
         rop = c.op(op, ref.dtype)
@@ -175,22 +173,28 @@ class Communicator:
         return self._issue(c, seq, lambda: b.reduce(ref, root, rop, timeout=t, stream=stream),
                            x, async_op, stream, ref, x)
 
-    def broadcast(self, x: Any, root: int = 0, *, async_op: bool = False,
+    def broadcast(self, x: Any, root: int = 0, *, out: Any = None, async_op: bool = False,
                   timeout: float | None = None, stream: Any = None) -> Any:
-        """Copy root's ``x`` into every rank's ``x`` (same shape and dtype); returns ``x``."""
+        """Copy root's ``x`` into every rank's ``x`` (same shape and dtype); returns ``x``.
+
+        With ``out`` root's ``x`` lands in every rank's ``out`` (root's too) and ``x`` is only
+        read on root (other ranks may pass ``x=None``); returns ``out``.
+        """
         if (type(x) is np.ndarray and type(root) is int and not async_op and timeout is None
-                and stream is None and 0 <= root < self.size
+                and stream is None and out is None and 0 <= root < self.size
                 and x.dtype in _LEAN_DTYPES and (x.flags.writeable or root == self.rank)):
             lean = self._lean_backend
             if lean is not None and self._lean("broadcast", _BROADCAST, lean.host_broadcast, x,
                                                root):
                 return x
-        return self._broadcast(x, root, async_op, timeout, stream)
+        return self._broadcast(x, root, async_op, timeout, stream, out)
 
     @_entry
     def _broadcast(self, x: Any, root: Any, async_op: bool, timeout: float | None,
-                   stream: Any) -> Any:
+                   stream: Any, out: Any = None) -> Any:
         c = self._call("broadcast")
+        if out is not None:
+            return self._broadcast_out(c, x, out, root, async_op, timeout, stream)
         root = c.rank_arg(root, "root")
         ref = c.array(x, "x", writable=self.rank != root)
         t = c.timeout(timeout, self.timeout)
@@ -360,7 +364,9 @@ class Communicator:
         if color is not None:
             color = c.integer(color, "color", expected="an int or None")
         key = c.integer(key, "key")
-        t = c.timeout(timeout, self.timeout)
+        return self._split(c, color, key, c.timeout(timeout, self.timeout))
+
+    def _split(self, c: Call, color: int | None, key: int, t: float) -> Communicator | None:
         seq = self._signature(c, t, None)
         n = self._splits
         self._splits += 1

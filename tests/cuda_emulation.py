@@ -161,6 +161,16 @@ class FakeDeviceArray:
         return FakeDeviceArray(None, self._rt, self.device, self.stream,
                                _view=self._view[index], _lease=self._lease)
 
+    def reshape(self, *shape: Any) -> FakeDeviceArray:
+        return FakeDeviceArray(None, self._rt, self.device, self.stream,
+                               _view=self._view.reshape(*shape), _lease=self._lease)
+
+    def __setitem__(self, index: Any, value: Any) -> None:
+        """A write from the host, as a kernel on the current stream (here waited for)."""
+        view = self._view
+        with self._rt.using_device(self.device):
+            self._rt.run_on(self._rt.current_stream(), lambda: view.__setitem__(index, value))
+
     def get(self, stream: int | None = None) -> np.ndarray:
         """A host copy made on ``stream`` (default: the current stream), like
         ``cupy.ndarray.get``: it sees only work ordered before it on that stream."""

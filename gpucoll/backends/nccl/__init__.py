@@ -1,6 +1,7 @@
 """The NCCL backend, driven through nccl4py (NVIDIA's NCCL binding).
 
 - ``backend``: ``NcclBackend``, the collectives on device arrays;
+- ``grouped``: its out-of-place, uneven, coalesced and batched calls;
 - ``driver``: one non-blocking NCCL communicator, polled so that no call blocks past its
   deadline, aborted once on a failure;
 - ``watch``: the watchdog thread and the event-backed ``Work``;

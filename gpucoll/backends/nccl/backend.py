@@ -31,6 +31,7 @@ from gpucoll.backends.base import Backend
 from gpucoll.backends.nccl import boot
 from gpucoll.backends.nccl.codes import reduce_plan, wire
 from gpucoll.backends.nccl.driver import IN_PROGRESS, SUCCESS, Driver, failure
+from gpucoll.backends.nccl.grouped import GroupedNccl
 from gpucoll.backends.nccl.watch import EventWork, Pending, Positions, Watchdog
 from gpucoll.errors import BackendUnavailable, CollectiveTimeout, GpucollError, UsageError
 from gpucoll.ops import ReduceOp
@@ -54,7 +55,7 @@ def load_nccl(rt: Any, rank: int) -> Any:
             f"{exc}); install gpucoll[cuda12]") from exc
 
 
-class NcclBackend(Backend):
+class NcclBackend(GroupedNccl, Backend):
     """One NCCL communicator over ``size`` ranks, one CUDA device per rank.
 
     Constructing it is collective: all ranks meet in ``store`` (the communicator's namespace),
