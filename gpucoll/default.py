@@ -20,7 +20,8 @@ def init(backend: str = "auto", *, rank: int | None = None, world_size: int | No
     """Join the group and return its communicator, which also becomes the default one.
 
     With ``rank``/``world_size`` None they come from the environment (gpucoll's launcher,
-    torchrun, Slurm, Open MPI, MPICH). ``store`` is a TCPStore/PrefixStore, an address
+    torchrun, Slurm, Open MPI, MPICH); a script started without any launcher runs as a world
+    of one rank (as under mpi4py), with one notice line on stderr that says so. ``store`` is a TCPStore/PrefixStore, an address
     ``"tcp://host:port"`` of a running store, or None: the environment's store (rank 0 hosts it
     unless it already runs), or for a one-rank group given explicitly a private one.
     ``timeout`` (seconds; default GPUCOLL_TIMEOUT or 300) bounds start-up and every call.
@@ -71,9 +72,14 @@ def _rendezvous(rank: Any, world_size: Any, store: Any,
     if (rank is None) != (world_size is None):
         raise ValueError("gpucoll.init: pass both rank and world_size, or neither (then they "
                          "come from the environment)")
-    env = rendezvous.from_env() if rank is None else None
-    if env is not None:
-        rank, world_size = env.rank, env.world_size
+    env = None
+    if rank is None:
+        if rendezvous.launcher_named():
+            env = rendezvous.from_env()
+            rank, world_size = env.rank, env.world_size
+        else:
+            rank, world_size = 0, 1
+            _say_alone()
     _check_rank(rank, world_size)
     if isinstance(store, str):
         host, port = parse_address(store)
@@ -93,6 +99,15 @@ def _rendezvous(rank: Any, world_size: Any, store: Any,
                              "GPUCOLL_MASTER_ADDR") from None
     made = rendezvous.connect_store(env, timeout)
     return rank, world_size, made, made
+
+
+def _say_alone() -> None:
+    """The one line a script started without a launcher gets (it runs as a world of one)."""
+    import sys
+
+    print("gpucoll: no launcher found (no rank or world size in the environment): running as "
+          "a world of 1 rank; start N ranks with `gpucoll run -n N script.py`",
+          file=sys.stderr, flush=True)
 
 
 def _check_rank(rank: Any, world_size: Any) -> None:

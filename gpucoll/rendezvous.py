@@ -100,6 +100,13 @@ def from_env(environ: Mapping[str, str] | None = None) -> Rendezvous:
         "GPUCOLL_MASTER_ADDR/GPUCOLL_MASTER_PORT for several hosts).")
 
 
+def launcher_named(environ: Mapping[str, str] | None = None) -> bool:
+    """Whether any launcher's rank or world-size variable is set (``from_env`` reads them)."""
+    env = os.environ if environ is None else environ
+    return any(var in env for src in _SOURCES for var in (src.rank, src.size)) or (
+        "SLURM_NPROCS" in env)
+
+
 def local_rank(rank: int, environ: Mapping[str, str] | None = None) -> int:
     """This process's rank on its host, as ``from_env()`` reports it; where the environment
     names no launcher, the first local-rank variable of any launcher that is set, else
@@ -442,4 +449,4 @@ def _identity(store: Any) -> tuple:
 
 
 __all__ = ["DEFAULT_PORT", "Rendezvous", "RendezvousError", "connect_store", "expand_hostlist",
-           "from_env", "job_id", "join_group", "local_rank", "store_url"]
+           "from_env", "job_id", "join_group", "launcher_named", "local_rank", "store_url"]
