@@ -19,11 +19,11 @@ def init(backend: str = "auto", *, rank: int | None = None, world_size: int | No
          store: Any = None, timeout: float | None = None, device: Any = None) -> Communicator:
     """Join the group and return its communicator, which also becomes the default one.
 
-    With ``rank``/``world_size`` None they come from the environment (gpucoll's launcher,
-    torchrun, Slurm, Open MPI, MPICH); a script started without any launcher runs as a world
-    of one rank (as under mpi4py), with one notice line on stderr that says so. ``store`` is a TCPStore/PrefixStore, an address
-    ``"tcp://host:port"`` of a running store, or None: the environment's store (rank 0 hosts it
-    unless it already runs), or for a one-rank group given explicitly a private one.
+    With ``rank``/``world_size`` None they come from the environment (gpucoll's launcher, torchrun,
+    Slurm, Open MPI, MPICH); a script started without any launcher runs as a world of one rank (as
+    under mpi4py), with one notice line on stderr that says so. ``store`` is a TCPStore/PrefixStore,
+    an address ``"tcp://host:port"`` of a running store, or None: the environment's store (rank 0
+    hosts it unless it already runs), or for a one-rank group given explicitly a private one.
     ``timeout`` (seconds; default GPUCOLL_TIMEOUT or 300) bounds start-up and every call.
     ``device`` is the CUDA device for the NCCL backend. Collective over the group.
     """
@@ -39,10 +39,12 @@ def init(backend: str = "auto", *, rank: int | None = None, world_size: int | No
 def create(backend: str = "auto", *, rank: int | None = None, world_size: int | None = None,
            store: Any = None, timeout: float | None = None, device: Any = None) -> Communicator:
     """What ``init`` does, without making the result the default communicator."""
+    from gpucoll import waiting
     from gpucoll.store.gather import leave_group
 
     name = requested_name(backend)
     timeout = _timeout(timeout)
+    waiting.interval()  # a bad GPUCOLL_WAIT_LOG is an error here, before any wait
     rank, world_size, base, owned = _rendezvous(rank, world_size, store, timeout)
     space = None
     try:

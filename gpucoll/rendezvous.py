@@ -33,7 +33,7 @@ import zlib
 from collections.abc import Mapping
 from typing import Any
 
-from gpucoll.errors import CollectiveTimeout, RendezvousError
+from gpucoll.errors import CollectiveTimeout, RendezvousError, StoreTimeout
 
 DEFAULT_PORT = 29510
 _JOB_PORT_BASE, _JOB_PORT_SPAN = 20000, 12000  # below Linux's ephemeral range (32768+)
@@ -309,7 +309,13 @@ def connect_store(rdv: Rendezvous, timeout: float = 300.0):
     if rdv.store_is_running:
         return TCPStore(rdv.store_host, rdv.store_port, timeout=timeout, token=rdv.token)
     if rdv.rank != 0:
-        store = TCPStore(rdv.store_host, rdv.store_port, timeout=timeout, token=rdv.token)
+        try:
+            store = TCPStore(rdv.store_host, rdv.store_port, timeout=timeout, token=rdv.token)
+        except StoreTimeout as exc:
+            raise CollectiveTimeout(
+                f"start-up on rank {rdv.rank} of {rdv.world_size}: rank 0 never arrived (it "
+                f"hosts the job's store at {rdv.store_address}, where nothing accepted a "
+                f"connection within {timeout:g} s; last error: {exc})") from None
         store.hosted_by = 0  # losing the store means losing rank 0 (store_host_rank)
         return store
     if _is_loopback(rdv.store_host):
@@ -374,7 +380,7 @@ def join_group(store: Any, rank: int, size: int, *, job: str | None, timeout: fl
         wait_for_ranks(space, [f"member/{r}" for r in range(size)],
                        max(deadline - time.monotonic(), 0.0), rank=rank, liveness=live,
                        what=f"start-up of job {job!r}" if job else "start-up",
-                       absent="never joined")
+                       absent="never arrived (not started, or not yet at gpucoll.init)")
     except CollectiveTimeout as exc:
         live.leave()
         if not skipped:

@@ -1,4 +1,5 @@
-"""Every example runs under `gpucoll run` with 4 ranks, checks its own result and says so."""
+"""Every example runs under `gpucoll run` with 1, 2 and 4 ranks (some with 3 too), checks its own
+result and says so."""
 
 from __future__ import annotations
 
@@ -44,9 +45,17 @@ def test_example_passes_its_own_check_on_4_ranks(launch, name):
     assert "passed" in check_line(job.out(), name)
 
 
-@pytest.mark.parametrize("name", ["ring_allreduce", "hierarchical", "spmd"])
+@pytest.mark.parametrize("name", ["quickstart", "ring_allreduce", "hierarchical", "spmd"])
 def test_example_also_passes_on_an_odd_number_of_ranks(launch, name):
     job = launch(["-n", "3", "--timeout", "100", example(name)])
+    assert job.finish(timeout=110) == 0, job.text()
+    assert "passed" in check_line(job.out(), name)
+
+
+@pytest.mark.parametrize("ranks", [1, 2])
+@pytest.mark.parametrize("name", NAMES)
+def test_example_passes_on_one_and_two_ranks(launch, name, ranks):
+    job = launch(["-n", str(ranks), "--timeout", "100", example(name)])
     assert job.finish(timeout=110) == 0, job.text()
     assert "passed" in check_line(job.out(), name)
 

@@ -56,6 +56,7 @@ LAYER_OF = {
     "gpucoll.arrays": "leaf",
     "gpucoll.work": "leaf",
     "gpucoll.cuda": "leaf",
+    "gpucoll.waiting": "leaf",
     "gpucoll.topology": "topology",
 }
 ORDER = ["leaf", "store", "transport", "backends", "communicator", "launch", "cli"]

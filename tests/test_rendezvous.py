@@ -381,7 +381,7 @@ def test_a_rank_that_never_joins_is_a_timeout_and_its_slot_is_left_marked(store_
     from gpucoll.rendezvous import join_group
 
     with pytest.raises(CollectiveTimeout, match=r"start-up of job 'j' on rank 0 of 2: "
-                                                r"rank 1 never joined"):
+                                                r"rank 1 never arrived"):
         join_group(store_server, 0, 2, job="j", timeout=0.5)
     assert store_server.get("gpucoll/jobs/j/0/gone/0") == b"closed"
 
@@ -392,7 +392,7 @@ def test_a_timeout_after_skipped_slots_says_a_rank_that_died_early_looks_the_sam
     from gpucoll.rendezvous import join_group
 
     store_server.multi_set(["gpucoll/jobs/anonymous/0/gone/1"], [b"died"])
-    with pytest.raises(CollectiveTimeout, match=r"never joined .* joined "
+    with pytest.raises(CollectiveTimeout, match=r"never arrived .* joined "
                                                 r"gpucoll/jobs/anonymous/1 after skipping 1 "
                                                 r"slot\(s\) .* died before the others arrived"):
         join_group(store_server, 0, 2, job=None, timeout=0.5)

@@ -37,6 +37,7 @@ from gpucoll.store.protocol import (
     unsent,
 )
 from gpucoll.store.server import StoreLimits, StoreServer, env_token
+from gpucoll.waiting import Waiting
 
 _WILDCARDS = {"", "0.0.0.0", "::", "*"}
 # how long past a blocking call's own timeout to wait for the server's timeout reply
@@ -552,6 +553,7 @@ def _set_timeo(sock: socket.socket, option: int, seconds: float) -> None:
 def _connect(host: str, port: int, timeout: float, deadline: float) -> socket.socket:
     """Connect, retrying with backoff while nothing listens yet (the start-up race)."""
     delay, last = 0.01, None
+    notice = Waiting(f"connecting to the store at {host}:{port}", timeout)
     while True:
         remaining = deadline - time.monotonic()
         if remaining <= 0:
@@ -561,6 +563,7 @@ def _connect(host: str, port: int, timeout: float, deadline: float) -> socket.so
             return _connect_once(host, port, min(remaining, 30.0))
         except OSError as exc:
             last = exc
+        notice.tick(lambda err=last: f"for a store to accept connections (last error: {err})")
         time.sleep(max(0.0, min(delay, deadline - time.monotonic())))
         delay = min(delay * 2, 0.5)
 

@@ -11,11 +11,13 @@ through the will every rank leaves in the group's namespace.
 
 from __future__ import annotations
 
+import math
 import time
 from collections.abc import Sequence
 from typing import Any
 
 from gpucoll.errors import CollectiveTimeout, GpucollError, PeerFailure, StoreError, StoreTimeout
+from gpucoll.waiting import Waiting
 
 POLL = 0.5  # longest wait in the store between two looks at which ranks are gone
 LEAVE_TIMEOUT = 5.0  # what leaving a group may take at most: the store may be unresponsive
@@ -72,21 +74,25 @@ def wait_for_ranks(store: Any, keys: Sequence[str], timeout: float, *, what: str
     """Block until ``keys[i]`` (rank ``ranks[i]``'s key; by default rank i's) is in ``store``
     for every i.
 
-    At the deadline: a CollectiveTimeout saying, for operation ``what`` on ``rank``, which ranks
-    are ``absent`` and after how long. With ``liveness`` the wait goes in slices of ``poll``
-    seconds, and between them one of those ranks found gone raises PeerFailure naming it: "rank
-    2 died during split on rank 0 of 3", or that it closed its communicator; losing the store
-    that a rank of the group hosts is a PeerFailure naming that rank.
+    Every ``GPUCOLL_WAIT_LOG`` seconds (default 10) of waiting, one line on stderr names the ranks
+    still missing (``gpucoll.waiting``). At the deadline: a CollectiveTimeout saying, for operation
+    ``what`` on ``rank``, which ranks are ``absent`` and after how long. With ``liveness`` the wait
+    goes in slices of ``poll`` seconds, and between them one of those ranks found gone raises
+    PeerFailure naming it: "rank 2 died during split on rank 0 of 3", or that it closed its
+    communicator; losing the store that a rank of the group hosts is a PeerFailure naming that rank.
     """
     keys = list(keys)
     ranks = list(range(len(keys)) if ranks is None else ranks)
     size = liveness.size if liveness is not None else len(keys)
     start = time.monotonic()
     deadline = start + timeout
+    notice = Waiting(f"{what} on rank {rank} of {size}", timeout, start)
     while True:
-        remaining = max(deadline - time.monotonic(), 0.0)
+        now = time.monotonic()
+        remaining = max(deadline - now, 0.0)
+        step = min(remaining, notice.until_due(now), poll if liveness is not None else math.inf)
         try:
-            store.wait(keys, timeout=remaining if liveness is None else min(poll, remaining))
+            store.wait(keys, timeout=step)
             return
         except StoreTimeout:
             pass
@@ -99,11 +105,17 @@ def wait_for_ranks(store: Any, keys: Sequence[str], timeout: float, *, what: str
                 peer=liveness.host) from None
         if liveness is not None:
             liveness.check(what, ranks)
+        notice.tick(lambda: f"for {_ranks(_missing(store, keys, ranks))}")
         if time.monotonic() >= deadline:
-            missing = [r for r, v in zip(ranks, store.peek(keys), strict=True) if v is None]
+            missing = _missing(store, keys, ranks)
             raise CollectiveTimeout(
                 f"{what} on rank {rank} of {size}: {_ranks(missing)} {absent} within "
                 f"{time.monotonic() - start:.1f} s (timeout={timeout:g} s)")
+
+
+def _missing(store: Any, keys: list[str], ranks: list[int]) -> list[int]:
+    """The ranks whose key is not in ``store`` yet."""
+    return [r for r, v in zip(ranks, store.peek(keys), strict=True) if v is None]
 
 
 def gather(store: Any, keys: Sequence[str], timeout: float, *, what: str, rank: int,

@@ -20,6 +20,7 @@ from collections.abc import Sequence
 import numpy as np
 
 from gpucoll.errors import CollectiveMismatch, CollectiveTimeout, GpucollError, PeerFailure
+from gpucoll.waiting import Waiting
 
 SPIN_S = 50e-6  # busy polling before yielding: peers on other cores answer within this
 YIELD_S = 25e-6  # then sched_yield, only when processes outnumber cores
@@ -277,6 +278,7 @@ class Engine:
         self._queued: dict[tuple[int, bool], collections.deque] = {}
         self.inbox: collections.deque = collections.deque()  # from submit(), any thread
         self._background: list[Op] = []  # non-blocking messages not yet complete
+        self._notice = Waiting(f"rank {rank}")  # says what a wait long idle waits for
 
     def _set_policy(self, crowded: bool) -> None:
         """Long spins when every rank has a core; when cores are short (our ranks or other
@@ -445,12 +447,15 @@ class Engine:
         """``_idle`` for ``swap_small``: the same failure, deadline and back-off rules."""
         if self.state.failure is not None:
             raise self._in_op(self.state.failure, opname)
+
+        def small_detail() -> str:
+            link, verb = (waiting[0], "receive from") if waiting else (unsent[0], "send to")
+            return f"to {verb} rank {link.peer} (0 of {nbytes - FRAME_BYTES} bytes done)"
+
         now = time.monotonic()
         if now >= deadline:
-            link, verb = (waiting[0], "receive from") if waiting else (unsent[0], "send to")
-            raise CollectiveTimeout(f"{opname} on rank {self.rank} timed out: waiting to "
-                                    f"{verb} rank {link.peer} (0 of {nbytes - FRAME_BYTES} "
-                                    f"bytes done)")
+            raise CollectiveTimeout(f"{opname} on rank {self.rank} timed out: waiting "
+                                    f"{small_detail()}")
 
         def sleep(deadline: float) -> None:
             for link in unsent:
@@ -477,7 +482,7 @@ class Engine:
                 for link in waiting:
                     link.sleep_flags(False, True, 0)
 
-        return self._back_off(idle_since, now, sleep, deadline)
+        return self._back_off(idle_since, now, sleep, deadline, opname, small_detail)
 
     def drive(self, stop) -> None:
         """Move non-blocking messages until none is left or ``stop()`` says to yield."""
@@ -556,12 +561,15 @@ class Engine:
         expired = self._expired(now, deadline)
         if expired is not None:
             raise self._timeout(expired)
-        return self._back_off(idle_since, now, self._sleep, deadline)
+        return self._back_off(idle_since, now, self._sleep, deadline, None, self._waited_for)
 
-    def _back_off(self, idle_since: float, now: float, sleep, deadline: float | None) -> float:
-        """Spin, then yield the core (when cores are short), then ``sleep(deadline)``."""
+    def _back_off(self, idle_since: float, now: float, sleep, deadline: float | None,
+                  opname, detail) -> float:
+        """Spin, then yield the core (when cores are short), then ``sleep(deadline)``; a wait
+        long idle says what it waits for (``detail()``, ``gpucoll.waiting``)."""
         if not idle_since:
             self._watch_load(now)
+            self._notice.restart(now)
             return now
         idle = now - idle_since
         if idle < self.spin_s:
@@ -569,8 +577,26 @@ class Engine:
         elif idle < self.yield_s:
             os.sched_yield()
         else:
+            if now >= self._notice.due:
+                self._say_waiting(opname, detail, now)
             sleep(deadline)
         return idle_since
+
+    def _say_waiting(self, opname, detail, now: float) -> None:
+        op = self.active[0] if self.active else None
+        name = opname if opname is not None else op.opname if op is not None else "waiting"
+        self._notice.what = f"{name} on rank {self.rank}"
+        self._notice.tick(detail, now)
+
+    def _waited_for(self) -> str:
+        """Whom the posted messages wait for: a receive first, as a timeout would name it."""
+        ops = self.active or [op for q in self._queued.values() for op in q]
+        if not ops:
+            return "for nothing posted"
+        op = next((op for op in ops if not op.sending), ops[0])
+        verb = "send to" if op.sending else "receive from"
+        return (f"to {verb} rank {op.link.peer} ({max(op.off - FRAME_BYTES, 0)} of "
+                f"{op.nbytes - FRAME_BYTES} bytes done)")
 
     def _expired(self, now: float, deadline: float | None) -> Op | None:
         """The message to blame when a deadline has passed: one this rank waits to receive

@@ -25,6 +25,7 @@ from gpucoll import cuda
 from gpucoll.backends.nccl.driver import translate
 from gpucoll.errors import CollectiveTimeout, GpucollError, PeerFailure
 from gpucoll.progress import Progress, diagnose
+from gpucoll.waiting import Waiting
 from gpucoll.work import Work, wait_event
 
 POLL_MAX = 0.05  # seconds between polls of a pending event, at most
@@ -89,6 +90,8 @@ class Watchdog:
         self._closed = False
         self._idle = True  # the thread waits for work (not polling): adding must wake it
         self._next_tick = self._next_look = 0.0
+        self._notice = Waiting(f"rank {rank}")  # a call long unfinished says where ranks are
+        self._noticed: Pending | None = None
         self._thread = threading.Thread(target=self._run, daemon=True,
                                         name=f"gpucoll-nccl-watchdog-{rank}")
         self._thread.start()
@@ -188,7 +191,22 @@ class Watchdog:
                 pass  # the store is gone: the deadline still holds
         if now > head.deadline:
             return self.expired(head)
+        self._say_waiting(head, now)
         return None
+
+    def _say_waiting(self, head: Pending, now: float) -> None:
+        """Every GPUCOLL_WAIT_LOG seconds that ``head`` is unfinished, one line saying where
+        the ranks are (``gpucoll.waiting``)."""
+        notice = self._notice
+        if head is not self._noticed:
+            self._noticed = head
+            begun = head.deadline - head.timeout
+            notice.restart(begun if begun == begun and begun < now else now)  # nan: no deadline
+            notice.what = f"{head.opname} on rank {self.rank} of {self.size}"
+            notice.timeout = head.timeout
+        if now >= notice.due:
+            notice.tick(lambda: f"(where the ranks are: {self._positions.diagnose()})"
+                        if self._positions is not None else "for its peers", now)
 
     def expired(self, item: Pending) -> CollectiveTimeout:
         """The error for a call that missed its deadline, saying where every rank is."""
