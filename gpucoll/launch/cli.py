@@ -20,9 +20,13 @@ import socket
 import threading
 
 from gpucoll.errors import LaunchError, StoreError
-from gpucoll.launch.config import LaunchConfig, bindings, validate
+from gpucoll.launch.config import LaunchConfig, bindings, validate, visible_gpus
 from gpucoll.launch.supervisor import Job, RemoteAbort, console
 from gpucoll.rendezvous import store_url
+
+NO_GPU_MIN_RANKS, NO_GPU_MAX_RANKS = 2, 4  # -n's default without GPUs: the cores, within these
+NO_GPU_RANKS_HELP = (f"this machine's CPU cores, at least {NO_GPU_MIN_RANKS} and at most "
+                     f"{NO_GPU_MAX_RANKS}")
 
 EPILOG = """\
 Each rank gets GPUCOLL_RANK, GPUCOLL_WORLD_SIZE, GPUCOLL_LOCAL_RANK, GPUCOLL_LOCAL_WORLD_SIZE,
@@ -42,13 +46,19 @@ def parser() -> argparse.ArgumentParser:
         prog="gpucoll run", description="Start N ranks of a script, one per GPU when there are "
         "GPUs, and supervise them.", epilog=EPILOG,
         formatter_class=argparse.RawDescriptionHelpFormatter)
-    p.add_argument("-n", "--nproc", type=int, default=1, metavar="N",
-                   help="ranks on this node (default 1)")
+    # torchrun's spellings (--nproc-per-node, --nproc_per_node, --node_rank, ...) work too
+    p.add_argument("-n", "--nproc", "--nproc-per-node", "--nproc_per_node", type=int,
+                   default=None, metavar="N", dest="nproc",
+                   help="ranks on this node (default: one per GPU; without GPUs, "
+                   f"{NO_GPU_RANKS_HELP})")
     p.add_argument("--nnodes", type=int, default=1, metavar="M", help="nodes in the job")
-    p.add_argument("--node-rank", type=int, default=0, metavar="K", help="this node, 0..M-1")
-    p.add_argument("--master-addr", default="127.0.0.1", metavar="A",
+    p.add_argument("--node-rank", "--node_rank", type=int, default=0, metavar="K",
+                   dest="node_rank", help="this node, 0..M-1")
+    p.add_argument("--master-addr", "--master_addr", default="127.0.0.1", metavar="A",
+                   dest="master_addr",
                    help="address of node 0, where the job's store listens (default 127.0.0.1)")
-    p.add_argument("--master-port", type=int, default=0, metavar="P",
+    p.add_argument("--master-port", "--master_port", type=int, default=0, metavar="P",
+                   dest="master_port",
                    help="port of the job's store (default: any free port on one node)")
     p.add_argument("--token", default=None,
                    help="store token shared by all nodes (default: GPUCOLL_STORE_TOKEN for "
@@ -77,12 +87,40 @@ def parser() -> argparse.ArgumentParser:
     return p
 
 
-def config_from(ns: argparse.Namespace) -> LaunchConfig:
+def default_nproc(gpus: list[str]) -> int:
+    """Ranks when -n is not given: one per visible GPU; without GPUs, the CPU cores this
+    process may use, at least 2 (so that collectives have a peer) and at most 4."""
+    if gpus:
+        return len(gpus)
+    cores = len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else (
+        os.cpu_count() or 1)
+    return min(max(cores, NO_GPU_MIN_RANKS), NO_GPU_MAX_RANKS)
+
+
+def backend_line(nproc: int, given: bool, gpus: list[str]) -> str:
+    """The line the launcher prints at start: how many ranks, which backend, and why."""
+    why_n = "" if given else " (one per GPU)" if gpus else " (no -n given)"
+    chosen = os.environ.get("GPUCOLL_BACKEND", "").strip().lower()
+    if chosen and chosen != "auto":
+        backend = f"backend {chosen} (GPUCOLL_BACKEND={chosen})"
+    elif not gpus:
+        why = ("CUDA_VISIBLE_DEVICES hides every GPU" if "CUDA_VISIBLE_DEVICES" in os.environ
+               else "no GPU found")
+        backend = f"backend ring ({why})"
+    else:
+        backend = (f"backend nccl on CuPy arrays where CuPy and NCCL load, else ring "
+                   f"({len(gpus)} GPU{'s' if len(gpus) > 1 else ''} found)")
+    return f"gpucoll run: {nproc} rank{'s' if nproc > 1 else ''}{why_n}, {backend}"
+
+
+def config_from(ns: argparse.Namespace, gpus: list[str] | None = None) -> LaunchConfig:
     token = ns.token
     if token is None and ns.nnodes > 1:
         token = os.environ.get("GPUCOLL_STORE_TOKEN") or None
+    nproc = ns.nproc if ns.nproc is not None else default_nproc(
+        visible_gpus() if gpus is None else gpus)
     return LaunchConfig(
-        program=ns.program, args=tuple(ns.args), module=ns.module, nproc=ns.nproc,
+        program=ns.program, args=tuple(ns.args), module=ns.module, nproc=nproc,
         nnodes=ns.nnodes, node_rank=ns.node_rank, master_addr=ns.master_addr,
         master_port=ns.master_port, tee=ns.tee, timeout=ns.timeout, grace=ns.grace,
         device=ns.device, isolate_gpus=ns.isolate_gpus, token=token, bind=ns.bind,
@@ -91,13 +129,15 @@ def config_from(ns: argparse.Namespace) -> LaunchConfig:
 
 def main(argv: list[str] | None = None) -> int:
     """Parse, check, run the job; return the exit status (the failed rank's code on failure)."""
-    cfg = config_from(parser().parse_args(argv))
+    ns = parser().parse_args(argv)
+    cfg = config_from(ns)
     out = console()
     try:
         gpus = validate(cfg)
     except LaunchError as exc:
         out.write("stderr", f"gpucoll run: error: {exc}\n".encode())
         return 2
+    out.write("stderr", (backend_line(cfg.nproc, ns.nproc is not None, gpus) + "\n").encode())
     if gpus and cfg.nproc > len(gpus):
         out.write("stderr", f"gpucoll run: note: {cfg.nproc} ranks share {len(gpus)} GPU(s); "
                   "NCCL needs one GPU per rank\n".encode())
