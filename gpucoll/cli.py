@@ -38,7 +38,13 @@ def main(argv: list[str] | None = None) -> int:
     if entry is None:
         print(f"gpucoll: unknown command {argv[0]!r}\n\n{usage()}", file=sys.stderr)
         return 2
-    return int(importlib.import_module(entry[0]).main(argv[1:]) or 0)
+    from gpucoll.errors import MissingPackage
+
+    try:
+        return int(importlib.import_module(entry[0]).main(argv[1:]) or 0)
+    except MissingPackage as exc:  # one line naming the extra to install, not a traceback
+        print(f"gpucoll {argv[0]}: error: {exc}", file=sys.stderr)
+        return 2
 
 
 if __name__ == "__main__":

@@ -41,6 +41,11 @@ class UsageError(GpucollError, RuntimeError):
     from a second thread while another thread is inside a call."""
 
 
+class MissingPackage(GpucollError, ImportError):
+    """An optional package a feature needs is not installed; the message names the extra of
+    gpucoll that installs it (``gpucoll.extras.require``)."""
+
+
 class StoreError(GpucollError):
     """The key-value store refused a request or its connection broke."""
 

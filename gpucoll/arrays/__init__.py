@@ -223,8 +223,8 @@ def dtype_from_name(name: str) -> np.dtype:
         try:
             import ml_dtypes
         except ImportError:
-            raise TypeError("bfloat16 arrays need the ml_dtypes package: pip install ml_dtypes "
-                            "(gpucoll[cuda12] includes it)") from None
+            raise TypeError('bfloat16 arrays need the ml_dtypes package: pip install '
+                            '"gpucoll[cuda12]" (or pip install ml_dtypes)') from None
         return np.dtype(ml_dtypes.bfloat16)
     return np.dtype(name)
 

@@ -188,11 +188,9 @@ def parse_size(text: str) -> int:
 def numpy_dtype(name: str) -> np.dtype:
     """The NumPy dtype for an nccl-tests type name or a NumPy dtype name."""
     if name == "bfloat16":
-        try:
-            import ml_dtypes
-        except ImportError as exc:
-            raise ValueError("datatype bfloat16 needs the ml_dtypes package") from exc
-        return np.dtype(ml_dtypes.bfloat16)
+        from gpucoll.extras import require
+
+        return np.dtype(require("ml_dtypes", "datatype bfloat16").bfloat16)
     return np.dtype(NCCL_TYPES.get(name, name))
 
 
@@ -227,6 +225,8 @@ def _op_names(values: list[str]) -> tuple[str, ...]:
 
 def _dtypes(text: str) -> tuple[str, ...]:
     if text == "all":
+        for name in NCCL_TYPES:  # a missing ml_dtypes is said now, before any rank starts
+            numpy_dtype(name)
         return tuple(NCCL_TYPES)
     names = []
     for part in _split(text):
@@ -418,4 +418,6 @@ def check_outputs(opts: BenchOptions) -> None:
         if path and not os.path.isdir(os.path.dirname(os.path.abspath(path))):
             raise SystemExit(f"gpucoll bench: error: {flag} {path}: no such directory")
     if opts.plot and importlib.util.find_spec("matplotlib") is None:
-        raise SystemExit("gpucoll bench: error: --plot needs matplotlib (pip install matplotlib)")
+        from gpucoll.extras import missing
+
+        raise SystemExit(f"gpucoll bench: error: {missing('matplotlib', '--plot')}")

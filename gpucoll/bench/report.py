@@ -265,10 +265,9 @@ def plot(path: str, runs: list[dict[str, Any]], ceilings: list[dict[str, Any]],
 
 def figure(runs: list[dict[str, Any]], ceilings: list[dict[str, Any]], title: str = "") -> Any:
     """The matplotlib figure ``plot`` writes (the caller closes it)."""
-    try:
-        import matplotlib
-    except ImportError as exc:
-        raise RuntimeError("--plot needs matplotlib (pip install matplotlib)") from exc
+    from gpucoll.extras import require
+
+    matplotlib = require("matplotlib", "--plot")
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
 

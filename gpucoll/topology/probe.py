@@ -73,7 +73,9 @@ def load_nvml() -> ModuleType:
     try:
         import pynvml
     except ImportError:
-        raise TopologyUnavailable("NVML bindings missing: pip install nvidia-ml-py") from None
+        from gpucoll.extras import install_hint
+
+        raise TopologyUnavailable(f"NVML bindings missing: {install_hint('pynvml')}") from None
     return pynvml
 
 

@@ -340,6 +340,9 @@ _COLOURS = {"gpu": "#c8e6c9", "nic": "#bbdefb", "switch": "#ffe0b2"}
 
 def render_png(layout: Layout, path: str | Path) -> Path:
     """Draw the layout into ``path`` (PNG) and return the path."""
+    from gpucoll.extras import require
+
+    require("matplotlib", "topo --png")
     from matplotlib.backends.backend_agg import FigureCanvasAgg
     from matplotlib.figure import Figure
 
