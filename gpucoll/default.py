@@ -8,6 +8,7 @@ from typing import Any
 
 from gpucoll.backends import create_backend, requested_name
 from gpucoll.communicator import Communicator
+from gpucoll.errors import CollectiveTimeout
 from gpucoll.validation import check_timeout
 from gpucoll.work import Work
 
@@ -99,8 +100,54 @@ def _rendezvous(rank: Any, world_size: Any, store: Any,
             raise ValueError("gpucoll.init: with rank and world_size given, also pass store= "
                              "(a TCPStore or 'tcp://host:port') or set GPUCOLL_STORE or "
                              "GPUCOLL_MASTER_ADDR") from None
-    made = rendezvous.connect_store(env, timeout)
+    made = _torchrun_store(env, timeout) if _under_torchrun(env) else \
+        rendezvous.connect_store(env, timeout)
     return rank, world_size, made, made
+
+
+def _under_torchrun(env: Any) -> bool:
+    """True under torchrun, whose agent hosts a store at MASTER_ADDR:MASTER_PORT that the
+    ranks may use, when nothing names gpucoll's own store and torch can be imported."""
+    import importlib.util
+
+    return (env.source == "torchrun" and not env.store_is_running
+            and os.environ.get("TORCHELASTIC_USE_AGENT_STORE") == "True"
+            and not os.environ.get("GPUCOLL_MASTER_PORT")
+            and importlib.util.find_spec("torch") is not None)
+
+
+def _torchrun_store(env: Any, timeout: float) -> Any:
+    """Under torchrun: rank 0 hosts gpucoll's store on a free port and tells the other ranks
+    that port through the store of torchrun's agent. (MASTER_PORT + 1, the port used without
+    torchrun's store, is not reserved: under load another process may hold it.)"""
+    import datetime
+    import time
+
+    from torch.distributed import TCPStore as AgentStore
+
+    from gpucoll import rendezvous
+    from gpucoll.waiting import Waiting
+
+    agent = AgentStore(os.environ.get("MASTER_ADDR", "127.0.0.1"),
+                       int(os.environ["MASTER_PORT"]), is_master=False,
+                       timeout=datetime.timedelta(seconds=timeout))
+    key = f"gpucoll/store-port/{env.job_id}"
+    if env.rank == 0:
+        made = rendezvous.connect_store(dataclasses.replace(env, store_port=0), timeout)
+        agent.set(key, str(made.port))
+        return made
+    deadline = time.monotonic() + timeout
+    notice = Waiting(f"start-up on rank {env.rank} of {env.world_size}", timeout)
+    while not agent.check([key]):
+        now = time.monotonic()
+        if now >= deadline:
+            raise CollectiveTimeout(
+                f"start-up on rank {env.rank} of {env.world_size}: rank 0 never arrived (it "
+                f"did not publish its store's port in torchrun's store within {timeout:g} s)")
+        notice.tick(lambda: "for rank 0 to publish its store's port in torchrun's store", now)
+        time.sleep(0.05)  # a poll of torchrun's store, bounded by the deadline above
+    port = int(agent.get(key))
+    return rendezvous.connect_store(dataclasses.replace(env, store_port=port), timeout)
 
 
 def _say_alone() -> None:

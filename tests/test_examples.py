@@ -6,6 +6,7 @@ from __future__ import annotations
 import os
 import shutil
 import signal
+import socket
 import subprocess
 import sys
 
@@ -127,6 +128,36 @@ def test_an_example_runs_unchanged_under_torchrun(tmp_path):
     # --standalone: torchrun picks a free port instead of its fixed default (29500)
     argv = [torchrun, "--standalone", "--nproc-per-node", "2", example("spmd")]
     done = run_other_launcher(argv, tmp_path)
+    assert done.returncode == 0, done.stdout + done.stderr
+    assert "CHECK spmd: passed" in done.stdout
+
+
+def _port_pair() -> tuple[int, socket.socket]:
+    """A free port P for torchrun's store, and a socket listening on P + 1 (held by the
+    caller): the port gpucoll would take without torchrun's store is busy."""
+    for _ in range(100):
+        with socket.socket() as probe:
+            probe.bind(("127.0.0.1", 0))
+            port = probe.getsockname()[1]
+        busy = socket.socket()
+        try:
+            busy.bind(("127.0.0.1", port + 1))
+        except OSError:
+            busy.close()
+            continue
+        busy.listen()
+        return port, busy
+    pytest.fail("no free pair of neighbouring ports")
+
+
+@pytest.mark.slow
+def test_under_torchrun_a_busy_port_after_master_port_does_not_matter(tmp_path):
+    torchrun = shutil.which("torchrun") or pytest.skip("torchrun is not installed")
+    port, busy = _port_pair()
+    with busy:
+        argv = [torchrun, "--nnodes", "1", "--nproc-per-node", "2", "--rdzv-backend", "c10d",
+                "--rdzv-endpoint", f"127.0.0.1:{port}", example("spmd")]
+        done = run_other_launcher(argv, tmp_path)
     assert done.returncode == 0, done.stdout + done.stderr
     assert "CHECK spmd: passed" in done.stdout
 
