@@ -169,3 +169,11 @@ def test_an_example_runs_unchanged_under_mpirun(tmp_path):
     done = run_other_launcher(argv, tmp_path)
     assert done.returncode == 0, done.stdout + done.stderr
     assert "CHECK spmd: passed" in done.stdout
+
+
+def test_the_quickstart_runs_without_n_and_says_which_backend(launch):
+    job = launch(["--timeout", "100", example("quickstart")])
+    assert job.finish(timeout=110) == 0, job.text()
+    first = job.err().splitlines()[0]
+    assert first.startswith("gpucoll run: ") and " backend " in first, job.text()
+    assert "passed" in check_line(job.out(), "quickstart")

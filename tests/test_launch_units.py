@@ -312,3 +312,54 @@ def test_launch_errors_are_exported_in_the_one_hierarchy():
         validate(LaunchConfig(program="no-such-script.py"))
     assert isinstance(info.value, gpucoll.GpucollError) and isinstance(info.value, ValueError)
     assert str(pickle.loads(pickle.dumps(info.value))) == str(info.value)
+
+
+# ---- torchrun's spellings, the default number of ranks, the start line --------------------------
+
+def _parsed(argv: list[str], gpus: list[str] | None = None):
+    from gpucoll.launch.cli import config_from, parser
+
+    return config_from(parser().parse_args([*argv, "x.py"]), gpus=gpus or [])
+
+
+@pytest.mark.parametrize("spelling", ["-n", "--nproc", "--nproc-per-node", "--nproc_per_node"])
+def test_every_spelling_of_the_rank_count_is_accepted(spelling):
+    assert _parsed([spelling, "3"]).nproc == 3
+
+
+def test_torchrun_spellings_map_onto_the_launchers_options():
+    cfg = _parsed(["--nnodes", "2", "--node_rank", "1", "--master_addr", "h0",
+                   "--master_port", "29400"])
+    assert (cfg.nnodes, cfg.node_rank, cfg.master_addr, cfg.master_port) == (2, 1, "h0", 29400)
+    cfg = _parsed(["--node-rank", "1", "--nnodes", "2", "--master-addr", "h0",
+                   "--master-port", "29400"])
+    assert (cfg.nnodes, cfg.node_rank, cfg.master_addr, cfg.master_port) == (2, 1, "h0", 29400)
+
+
+def test_without_n_there_is_one_rank_per_gpu():
+    assert _parsed([], gpus=["0", "1", "2"]).nproc == 3
+
+
+def test_without_n_or_a_gpu_the_ranks_follow_the_cores_from_2_to_4(monkeypatch):
+    from gpucoll.launch.cli import default_nproc
+
+    for cores, ranks in ((1, 2), (2, 2), (3, 3), (64, 4)):
+        monkeypatch.setattr(os, "sched_getaffinity", lambda pid, c=cores: set(range(c)))
+        assert default_nproc([]) == ranks
+
+
+def test_the_start_line_names_the_backend_and_why(monkeypatch):
+    from gpucoll.launch.cli import backend_line
+
+    monkeypatch.delenv("GPUCOLL_BACKEND", raising=False)
+    monkeypatch.delenv("CUDA_VISIBLE_DEVICES", raising=False)
+    assert backend_line(2, False, []) == \
+        "gpucoll run: 2 ranks (no -n given), backend ring (no GPU found)"
+    assert backend_line(1, True, []) == "gpucoll run: 1 rank, backend ring (no GPU found)"
+    assert backend_line(4, False, ["0", "1", "2", "3"]) == (
+        "gpucoll run: 4 ranks (one per GPU), backend nccl on CuPy arrays where CuPy and NCCL "
+        "load, else ring (4 GPUs found)")
+    monkeypatch.setenv("CUDA_VISIBLE_DEVICES", "")
+    assert backend_line(2, True, []).endswith("backend ring (CUDA_VISIBLE_DEVICES hides every GPU)")
+    monkeypatch.setenv("GPUCOLL_BACKEND", "ring")
+    assert backend_line(2, True, ["0"]).endswith("backend ring (GPUCOLL_BACKEND=ring)")
