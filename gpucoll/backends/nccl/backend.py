@@ -20,6 +20,7 @@ tests can stand in for it.
 from __future__ import annotations
 
 import copy
+import importlib
 import time
 from collections.abc import Callable
 from typing import Any
@@ -48,11 +49,23 @@ def same_stream(a: int, b: int) -> bool:
 def load_nccl(rt: Any, rank: int) -> Any:
     """nccl4py's ``nccl.core`` through the runtime, or BackendUnavailable saying why."""
     try:
-        return rt.nccl()
+        nc = rt.nccl()
     except Exception as exc:  # noqa: BLE001 - ImportError, or a library that fails to load
         raise BackendUnavailable(
             f"nccl backend on rank {rank}: nccl4py cannot be loaded ({type(exc).__name__}: "
             f"{exc}); install gpucoll[cuda12]") from exc
+    _warm_buffer_imports()
+    return nc
+
+
+def _warm_buffer_imports() -> None:
+    """nccl4py resolves every buffer through its torch interop first, which imports torch (a
+    second or more) at the first call wherever torch is installed: import it now, within
+    start-up's deadline, so that the first collective's deadline does not pay for it."""
+    try:
+        importlib.import_module("nccl.core.interop.torch")
+    except Exception:  # noqa: BLE001 - no torch (or an older nccl4py): nothing to warm
+        pass
 
 
 class NcclBackend(GroupedNccl, Backend):
