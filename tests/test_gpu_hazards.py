@@ -19,7 +19,7 @@ from gpucoll.arrays import as_ref
 from gpucoll.backends.nccl.driver import TIMEOUT
 from gpucoll.backends.staged import StagedBackend
 from gpucoll.default import create
-from gpucoll.errors import CollectiveTimeout, GpucollError, UsageError
+from gpucoll.errors import BackendUnavailable, CollectiveTimeout, GpucollError, UsageError
 from gpucoll.ops import ReduceOp
 
 pytestmark = pytest.mark.timeout(120)
@@ -340,6 +340,23 @@ def test_auto_picks_nccl_for_ranks_sharing_a_gpu_where_nccl_allows_it(store_addr
     got = spawn(hazard_ranks.auto_on_one_gpu, 2, store_addr, timeout=60,
                 env={"GPUCOLL_BACKEND": "", "NCCL_MULTI_RANK_GPU_ENABLE": "1"})
     assert [(name, total) for name, _, total in got] == [("nccl", 3.0)] * 2
+
+
+def test_without_nccl4py_nccl_is_unavailable_and_auto_picks_the_ring_saying_why(
+        rt, store_addr, monkeypatch):
+    def no_nccl4py():
+        raise ModuleNotFoundError("No module named 'nccl'")
+
+    monkeypatch.setattr(rt, "nccl", no_nccl4py)
+    monkeypatch.delenv("GPUCOLL_BACKEND", raising=False)
+    with pytest.raises(BackendUnavailable, match=re.escape(
+            "nccl backend on rank 0: nccl4py cannot be loaded (ModuleNotFoundError: No module "
+            "named 'nccl'); install gpucoll[cuda12]")):
+        create("nccl", rank=0, world_size=1, store=store_addr, timeout=10)
+    with create("auto", rank=0, world_size=1, store=store_addr, timeout=10) as comm:
+        assert comm.backend == "ring"
+        assert comm.backend_reason.startswith("auto: the host ring, because rank 0 cannot use "
+                                              "NCCL: nccl4py cannot be loaded")
 
 
 # ---- 9. zero-size arrays --------------------------------------------------------------------
