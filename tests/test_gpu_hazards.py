@@ -19,7 +19,7 @@ from gpucoll.arrays import as_ref
 from gpucoll.backends.nccl.driver import TIMEOUT
 from gpucoll.backends.staged import StagedBackend
 from gpucoll.default import create
-from gpucoll.errors import CollectiveTimeout, UsageError
+from gpucoll.errors import BackendUnavailable, CollectiveTimeout, GpucollError, UsageError
 from gpucoll.ops import ReduceOp
 
 pytestmark = pytest.mark.timeout(120)
@@ -123,6 +123,7 @@ def test_a_call_inside_another_devices_context_is_complete_only_when_its_work_is
     with rt.using_device(1):
         work = solo.all_reduce(x, async_op=True)
         assert rt.current_device() == 1  # the caller's device is restored
+        rt.record_event(0).synchronize()  # device 1's stream is idle: an event there is done
         assert not work.is_completed()
         release()
         work.synchronize()
@@ -139,6 +140,7 @@ def test_a_call_from_another_thread_is_complete_only_when_its_work_is(rt, store_
 
         def other_thread() -> None:  # its current device is 0
             work = comm.all_reduce(x, async_op=True)
+            rt.record_event(0).synchronize()  # device 0's stream is idle: an event there is done
             seen.append(work.is_completed())
             release()
             work.synchronize()
@@ -184,6 +186,59 @@ def test_a_failed_communicator_is_aborted_exactly_once_however_often_it_is_ended
     assert nccl_comm.abort_calls == 1
 
 
+def test_an_abort_from_another_thread_waits_until_no_call_is_inside_nccl(rt, solo):
+    driver = solo._backend._nc
+    nccl_comm, enqueue = driver.comm, driver.comm.allreduce
+    inside, leave, aborting = threading.Event(), threading.Event(), threading.Event()
+
+    def slow_allreduce(*args, **kwargs):  # a call that stays inside NCCL until let go
+        with nccl_comm._inside_call("allreduce"):
+            inside.set()
+            leave.wait(30)
+        return enqueue(*args, **kwargs)
+
+    class NotingLock:  # tells the test when the aborting thread reaches the lock
+        def __init__(self, lock):
+            self.lock = lock
+
+        def __enter__(self):
+            if threading.current_thread() is aborter:
+                aborting.set()
+            return self.lock.__enter__()
+
+        def __exit__(self, *exc):
+            return self.lock.__exit__(*exc)
+
+    def abort() -> None:
+        try:
+            solo._backend.abort("from another thread")
+        finally:
+            aborting.set()
+
+    raised = []
+
+    def call() -> None:  # its first collective: the abort may find it connecting, and end it
+        try:
+            solo.all_reduce(dev(rt, np.ones(2, np.float32)))
+        except GpucollError as exc:
+            raised.append(str(exc))
+
+    nccl_comm.allreduce = slow_allreduce
+    driver._lock = NotingLock(driver._lock)
+    caller = threading.Thread(target=call)
+    aborter = threading.Thread(target=abort)
+    caller.start()
+    assert inside.wait(30)
+    aborter.start()
+    assert aborting.wait(30)  # the abort is under way (or, unguarded, already done)
+    leave.set()
+    caller.join(30)
+    aborter.join(30)
+    assert rt.misuse == [] and nccl_comm.abort_calls == 1
+    assert solo._backend.failure() is not None
+    assert raised in ([], ["nccl backend on rank 0 aborted: from another thread"])
+
+
 # ---- 6. interop: the device a rank picks --------------------------------------------------
 
 LAUNCHERS = {
@@ -215,20 +270,50 @@ def test_the_device_a_rank_picks_is_the_local_rank_it_reports(rt, monkeypatch, l
 
 # ---- 7. split: outstanding work, one meaning of colour ----------------------------------------
 
-def test_split_waits_for_this_ranks_outstanding_work_before_nccl_splits(rt, solo):
+def _released_when_waited_on(monkeypatch, works_and_stalls):
+    """Let each stalled call's stream go only once the host waits for that call's event (as
+    split's drain must): a split that does not wait meets the call still outstanding."""
+    from gpucoll.backends.nccl import watch
+
+    wait = watch.wait_event
+
+    def waiting(event, *args, **kwargs):
+        for work, release in works_and_stalls:
+            if event is work._pending.event:
+                release()
+        return wait(event, *args, **kwargs)
+
+    monkeypatch.setattr(watch, "wait_event", waiting)
+
+
+def test_split_waits_for_this_ranks_outstanding_work_before_nccl_splits(rt, solo, monkeypatch):
     release = rt.stall(0)
     work = solo.all_reduce(dev(rt, np.ones(8, np.float32)), async_op=True)  # outstanding
-    backend, split = solo._backend, solo._backend.split
-
-    def split_then_let_the_device_go(*args, **kwargs):
-        release()  # the work completes only once the split has begun
-        return split(*args, **kwargs)
-
-    backend.split = split_then_let_the_device_go
-    sub = solo.split(0)
+    _released_when_waited_on(monkeypatch, [(work, release)])
+    try:
+        sub = solo.split(0)
+    finally:
+        release()
     assert work.is_completed()
     sub.close()
     assert rt.misuse == []  # the emulation reports a split with work outstanding
+
+
+def test_split_waits_for_outstanding_work_on_every_stream_not_only_the_last(rt, solo,
+                                                                           monkeypatch):
+    a, b = rt.new_stream(), rt.new_stream()
+    release = rt.stall(a)
+    first = solo.all_reduce(dev(rt, np.ones(8, np.float32)), async_op=True, stream=a)
+    last = solo.all_reduce(dev(rt, np.ones(8, np.float32)), async_op=True, stream=b)
+    last.synchronize()  # done, while the first call still waits on its stream
+    _released_when_waited_on(monkeypatch, [(first, release)])
+    try:
+        sub = solo.split(0)
+    finally:
+        release()
+    assert first.is_completed()
+    sub.close()
+    assert rt.misuse == []
 
 
 @pytest.mark.parametrize("backend", ["ring", "nccl"])
@@ -255,6 +340,23 @@ def test_auto_picks_nccl_for_ranks_sharing_a_gpu_where_nccl_allows_it(store_addr
     got = spawn(hazard_ranks.auto_on_one_gpu, 2, store_addr, timeout=60,
                 env={"GPUCOLL_BACKEND": "", "NCCL_MULTI_RANK_GPU_ENABLE": "1"})
     assert [(name, total) for name, _, total in got] == [("nccl", 3.0)] * 2
+
+
+def test_without_nccl4py_nccl_is_unavailable_and_auto_picks_the_ring_saying_why(
+        rt, store_addr, monkeypatch):
+    def no_nccl4py():
+        raise ModuleNotFoundError("No module named 'nccl'")
+
+    monkeypatch.setattr(rt, "nccl", no_nccl4py)
+    monkeypatch.delenv("GPUCOLL_BACKEND", raising=False)
+    with pytest.raises(BackendUnavailable, match=re.escape(
+            "nccl backend on rank 0: nccl4py cannot be loaded (ModuleNotFoundError: No module "
+            "named 'nccl'); install gpucoll[cuda12]")):
+        create("nccl", rank=0, world_size=1, store=store_addr, timeout=10)
+    with create("auto", rank=0, world_size=1, store=store_addr, timeout=10) as comm:
+        assert comm.backend == "ring"
+        assert comm.backend_reason.startswith("auto: the host ring, because rank 0 cannot use "
+                                              "NCCL: nccl4py cannot be loaded")
 
 
 # ---- 9. zero-size arrays --------------------------------------------------------------------

@@ -44,6 +44,22 @@ def test_without_a_gpu_it_says_nothing_ran_and_exits_2(tmp_path):
     assert (report["outcome"], report["status"], report["checks"]) == ("nothing ran", 2, [])
 
 
+NO_GPU_STACK = ("cupy", "cupy_backends", "cupy_backends.cuda", "cupy_backends.cuda.api",
+                "cupy_backends.cuda.api.runtime", "nccl", "nccl.core", "cuda", "cuda.bindings")
+
+
+def test_without_cupy_or_nccl4py_it_says_nothing_ran_and_exits_2():
+    """As in the CPU image, or after a plain ``pip install gpucoll``: no CUDA stack at all."""
+    hide = f"import sys; sys.modules.update(dict.fromkeys({NO_GPU_STACK!r}))"
+    run = subprocess.run([sys.executable, "-c", f"{hide}; from gpucoll.cli import main; "
+                          "raise SystemExit(main(['selftest']))"],
+                         capture_output=True, text=True, timeout=120)
+    assert run.returncode == 2, run.stdout + run.stderr
+    assert "Traceback" not in run.stderr
+    assert "CuPy unavailable" in run.stdout and "NCCL unavailable" in run.stdout
+    assert "**Nothing ran on a GPU: no CUDA device (CuPy is not importable" in run.stdout
+
+
 @pytest.fixture
 def emulated(store_addr):
     rt = EmulatedRuntime(store_addr, devices=2)

@@ -387,12 +387,14 @@ class NcclBackend(GroupedNccl, Backend):
         return NcclBackend(store, rank, size, timeout=timeout, device=self.device, _driver=made)
 
     def _drain(self, opname: str, deadline: float, timeout: float) -> None:
-        """Wait for the last call's event (earlier ones complete before it), by ``deadline``."""
-        last = self._last
-        if last is not None and not EventWork(self, last)._wait(_left(deadline)):
-            raise self._nc.fail(CollectiveTimeout(
-                f"{opname} on rank {self.rank} of {self.size}: earlier work ({last.opname}) did "
-                f"not complete within {timeout:g} s; the NCCL communicator was aborted"))
+        """Wait for every call still outstanding, by ``deadline``: calls on different streams
+        may complete in any order, so the last call's event alone does not say they are done."""
+        for pending in self._watchdog.outstanding():
+            if not EventWork(self, pending)._wait(_left(deadline)):
+                raise self._nc.fail(CollectiveTimeout(
+                    f"{opname} on rank {self.rank} of {self.size}: earlier work "
+                    f"({pending.opname}) did not complete within {timeout:g} s; the NCCL "
+                    f"communicator was aborted"))
 
     def failure(self) -> GpucollError | None:
         return self._nc.failure
@@ -431,12 +433,11 @@ class NcclBackend(GroupedNccl, Backend):
         communicator; after an abort or a timeout, return at once."""
         if self._closed:
             return
-        last = self._last
-        if self._nc.failure is None and last is not None:
-            try:
-                EventWork(self, last)._wait(None)
-            except GpucollError:
-                pass
+        try:
+            for pending in self._watchdog.outstanding():  # each within its own deadline
+                EventWork(self, pending)._wait(None)
+        except GpucollError:
+            pass
         self._closed = True
         self._watchdog.close()
         with self._rt.using_device(self.device):

@@ -104,6 +104,11 @@ class Watchdog:
             with self._cond:
                 self._cond.notify()
 
+    def outstanding(self) -> list[Pending]:
+        """The calls not yet seen complete, in issue order."""
+        with self._cond:
+            return list(self._pending)
+
     def clear(self) -> list[Pending]:
         """Forget every pending call; returns them."""
         with self._cond:
