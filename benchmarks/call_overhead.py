@@ -11,6 +11,10 @@ one rank the ranks of a scatter first agree on the slot layout through the store
 per-call store traffic; the absent rank 1's side of it is put in the store beforehand); a
 one-rank scatter shows the cost without it. Target: at most 10 us per call.
 
+The flight recorder's rows time what the communicator adds to every call for it, alone: making
+the call's entry and stamping its start and end (two clock reads). Its budget is 0.5 us per
+call; an empty call shows what the timing loop itself costs in each row.
+
     python benchmarks/call_overhead.py [--calls 20000] [--json results/call_overhead.json]
 """
 
@@ -39,9 +43,12 @@ from gpucoll.arrays import as_ref
 from gpucoll.backends.nccl import NcclBackend
 from gpucoll.communicator import Communicator
 from gpucoll.ops import ReduceOp
+from gpucoll.progress import KIND
+from gpucoll.recorder import ENDED, STARTED, Recorder, clock
 from gpucoll.store import PrefixStore, TCPStore
 
 TARGET_US = 10.0
+RECORDER_TARGET_US = 0.5  # the flight recorder's share of one call
 DEFAULT_JSON = Path(__file__).resolve().parent.parent / "results" / "call_overhead.json"
 WORLD = 2  # ranks of the no-op communicator; this process is rank 0
 
@@ -199,6 +206,31 @@ def cases(comm: Communicator, backend: NcclBackend,
     ]
 
 
+def recorder_cases() -> list[tuple[str, Any]]:
+    """What the flight recorder adds to one call, as the communicator does it: the entry made
+    after the checks, then the start and end stamped around the backend call."""
+    rec = Recorder()
+    ref = as_ref(np.zeros(1024, np.float32), "x")
+    fields = {"op": ReduceOp.SUM}
+    kind, send = KIND["all_reduce"], KIND["send"]
+
+    def collective() -> None:
+        rec.collective(7, kind, ref, fields)
+        entry = rec.current
+        entry[STARTED] = clock()
+        entry[ENDED] = clock()
+
+    def point_to_point() -> None:
+        rec.point_to_point(send, ref, 1)
+        entry = rec.current
+        entry[STARTED] = clock()
+        entry[ENDED] = clock()
+
+    return [("recorder: a collective's entry and times", collective),
+            ("recorder: a send's entry and times", point_to_point),
+            ("(an empty call: the timing loop's own cost)", lambda: None)]
+
+
 @contextlib.contextmanager
 def store_process(timeout: float = 30.0) -> Iterator[TCPStore]:
     """A client of a store served by another process, as under ``gpucoll run`` (only
@@ -239,7 +271,7 @@ def _measure(client: TCPStore, calls: int) -> list[dict[str, Any]]:
         solo_store = PrefixStore("solo", client)
         alone = NcclBackend(solo_store, 0, 1, timeout=60.0, _comm=_NoopComm(1, b"", 0))
         with comm, Communicator(alone, solo_store, timeout=60.0) as solo:
-            rows = []
+            rows = [{"case": name, **_time(fn, calls)} for name, fn in recorder_cases()]
             for name, fn in cases(comm, backend, solo):
                 if name.startswith("comm.scatter") and not name.endswith("one rank"):
                     fn = _with_absent_peer(comm, store, fn, calls)
@@ -256,14 +288,17 @@ def main(argv: list[str] | None = None) -> int:
                         help=f"where to write results (default: {DEFAULT_JSON})")
     args = parser.parse_args(argv)
     rows = measure(args.calls)
-    print(f"rank 0 of {WORLD}; target <= {TARGET_US:g} us per call (median wall clock); "
+    print(f"rank 0 of {WORLD}; target <= {TARGET_US:g} us per call, the recorder's share <= "
+          f"{RECORDER_TARGET_US:g} us (median wall clock); "
           f"load average {os.getloadavg()[0]:.1f}")
     print(f"{'case':<42} {'us/call':>8} {'best':>6} {'cpu':>6}")
     for row in rows:
-        flag = "" if row["us_per_call"] <= TARGET_US else "  over target"
+        target = RECORDER_TARGET_US if row["case"].startswith("recorder:") else TARGET_US
+        flag = "" if row["us_per_call"] <= target else "  over target"
         print(f"{row['case']:<42} {row['us_per_call']:>8.2f} {row['best_us']:>6.2f} "
               f"{row['cpu_us']:>6.2f}{flag}")
-    report = {"benchmark": "call_overhead", "target_us": TARGET_US, "calls": args.calls,
+    report = {"benchmark": "call_overhead", "target_us": TARGET_US,
+              "recorder_target_us": RECORDER_TARGET_US, "calls": args.calls,
               "world_size": WORLD, "python": platform.python_version(),
               "machine": platform.machine(), "cpus": os.cpu_count(),
               "load_average": list(os.getloadavg()), "rows": rows}

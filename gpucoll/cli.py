@@ -12,6 +12,7 @@ COMMANDS = {
     "bench": ("gpucoll.bench.cli", "measure collective bandwidth, nccl-tests style"),
     "info": ("gpucoll.info", "what this machine can do: CuPy, CUDA, NCCL, devices, backend"),
     "store": ("gpucoll.store.cli", "run a standalone key-value store for multi-node jobs"),
+    "doctor": ("gpucoll.doctor.cli", "say which rank is stuck where, from the flight recorders"),
 }
 
 

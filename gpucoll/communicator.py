@@ -25,6 +25,7 @@ import json
 import os
 import struct
 import threading
+import time
 import weakref
 from collections.abc import Callable
 from typing import Any
@@ -40,6 +41,7 @@ from gpucoll.arrays import (
     write_back,
 )
 from gpucoll.backends.base import Backend
+from gpucoll.dumps import Flight
 from gpucoll.errors import (
     CollectiveMismatch,
     CollectiveTimeout,
@@ -49,8 +51,18 @@ from gpucoll.errors import (
     UsageError,
 )
 from gpucoll.progress import KIND
+from gpucoll.recorder import (
+    ENDED,
+    QUEUED,
+    STARTED,
+    STREAM,
+    Recorder,
+    clock,
+    size_from_env,
+    stream_id,
+)
 from gpucoll.signature import SignatureCheck
-from gpucoll.store.gather import Liveness, gather, leave_group
+from gpucoll.store.gather import Liveness, agree_survivors, gather, leave_group, wait_for_ranks
 from gpucoll.validation import Call, check_timeout
 from gpucoll.work import Work
 
@@ -78,6 +90,9 @@ def _entry(method: Callable) -> Callable:
         self._inside = name
         try:
             return method(self, *args, **kwargs)
+        except GpucollError as exc:
+            self._flight.failed(exc)  # the flight recorder dumps on the group's first failure
+            raise
         finally:
             self._entry.release()
 
@@ -120,11 +135,17 @@ class Communicator:
         self._inside = ""  # the call that thread is in (for the concurrent-use message)
         self._seq = 0  # collective calls that passed validation, the same count on every rank
         self._splits = 0
+        self._shrinks = 0
+        self._shrunk: list[Communicator] = []  # groups shrunk from this one
+        self._parents: list[Communicator] = []  # ... and the groups this one was shrunk from
+        self._leave_pending = False  # its place in the store is kept for a shrunk group
         self._agreements = 0  # values agreed through the store so far
         self._children: list[Communicator] = []
         self._calls: dict[str, Call] = {}
         self._check = SignatureCheck(store, self.rank, self.size, self._liveness) if (
             debug_enabled() if debug is None else debug) else None
+        self._recorder = Recorder(size_from_env())  # the last calls, for dumps and the doctor
+        self._flight = Flight(self._recorder, store, self.rank, self.size, backend)
         _LIVE.add(self)
 
     # -- reductions, in place ---------------------------------------------------------------
@@ -289,6 +310,7 @@ class Communicator:
         check = self._pair_signature(c, ref, dst, sending=True)
         b = self._backend
         if async_op and check is None:
+            self._recorder.current[QUEUED] = clock()  # posted; its end is the Work's
             return b.isend(ref, dst, timeout=t, stream=stream).bind(None, c.where)
         return self._issue(c, None, lambda: b.send(ref, dst, timeout=t, stream=stream),
                            None, async_op, stream, check=check, timeout=t)
@@ -306,6 +328,7 @@ class Communicator:
         check = self._pair_signature(c, ref, src, sending=False)
         b = self._backend
         if async_op and check is None and ref.array is x:
+            self._recorder.current[QUEUED] = clock()  # posted; its end is the Work's
             return b.irecv(ref, src, timeout=t, stream=stream).bind(x, c.where)
         return self._issue(c, None, lambda: b.recv(ref, src, timeout=t, stream=stream),
                            x, async_op, stream, ref, x, check=check, timeout=t)
@@ -352,7 +375,77 @@ class Communicator:
         sub = Communicator(made[0], sub_store, timeout=self.timeout,
                            debug=self._check is not None)
         sub._backend_reason = f"split from a {self.backend} communicator: {self.backend_reason}"
+        sub._flight.family = self._flight.family
         self._children = [child for child in self._children if not child.closed] + [sub]
+        return sub
+
+    @_entry
+    def shrink(self, *, timeout: float | None = None) -> Communicator:
+        """A communicator of the ranks of this group that are still alive, renumbered in order
+        (rank i of the new group is the i-th survivor): the way to carry on after a
+        PeerFailure. Collective over the survivors; any of them may call it first.
+
+        The survivors agree through the store on who is left (a rank whose will says it died or
+        closed is out; one that has not called ``shrink`` by the deadline is out too, and
+        raises PeerFailure when it does); if another rank dies while the new group forms, they
+        agree again without it. Needs the store to outlive the lost ranks (``gpucoll run``'s
+        store lives in the launcher). This communicator stays as it was: close it when done;
+        its place in the store is kept until the shrunk group closes.
+        """
+        c = self._call("shrink")
+        t = c.timeout(timeout, self.timeout)
+        if self._liveness is None:
+            raise UsageError(f"{c.where}: shrink needs a store that keeps wills (a TCPStore "
+                             f"or PrefixStore of one), to tell the dead ranks from the living")
+        deadline = time.monotonic() + t
+        epoch = self._shrinks
+        self._shrinks += 1
+        for attempt in range(self.size):
+            name = f"shrink/{epoch}/{attempt}"
+            left = max(deadline - time.monotonic(), 0.0)
+            members = self._in_store(functools.partial(
+                agree_survivors, self._store, self.rank, self.size, self._liveness, left,
+                attempt=name, what=c.where))
+            sub = self._shrunk_group(c, name, members, deadline)
+            if sub is not None:
+                return sub
+        raise PeerFailure(f"{c.where}: every attempt to shrink the group lost another rank")
+
+    def _shrunk_group(self, c: Call, name: str, members: list[int],
+                      deadline: float) -> Communicator | None:
+        """The group of ``members`` in namespace ``name``, or None when a member died while it
+        formed (every member sees that alike: the group is complete only once every member
+        says it is ready)."""
+        rank, size = members.index(self.rank), len(members)
+        space = _prefix(f"{name}/group", self._store)
+        live = Liveness(space, rank, size, earlier=(self._store, members))
+        made = None
+        try:
+            made = self._backend.shrink(space, members, liveness=live,
+                                        timeout=max(deadline - time.monotonic(), 0.0))
+            space.set(f"ready/{rank}", b"1")
+            wait_for_ranks(space, [f"ready/{r}" for r in range(size)],
+                           max(deadline - time.monotonic(), 0.0), what=f"{c.where} (forming "
+                           f"the group of ranks {members})", rank=rank, liveness=live)
+        except PeerFailure:
+            if made is not None:
+                made.abort("a member died while the shrunk group formed")
+                made.close()
+            live.leave()
+            return None
+        except BaseException:
+            if made is not None:
+                made.abort("shrink failed")
+                made.close()
+            live.leave()
+            raise
+        sub = Communicator(made, space, timeout=self.timeout, debug=self._check is not None,
+                           liveness=live)
+        sub._backend_reason = f"shrunk from a {self.backend} communicator: {self.backend_reason}"
+        sub._flight.family = self._flight.family
+        sub._owned_store, self._owned_store = self._owned_store, None
+        sub._parents.append(self)
+        self._shrunk.append(sub)
         return sub
 
     @property
@@ -394,11 +487,26 @@ class Communicator:
             except GpucollError:
                 pass  # the failed call already reported it; closing must still succeed
             self._backend.close()
+        except GpucollError as exc:
+            self._flight.failed(exc)
+            raise
         finally:
-            if self._store is not None:  # never raises; the last rank out deletes the keys
-                leave_group(self._store, self.rank, self.size)
+            self._flight.close()
+            self._leave()
             if self._owned_store is not None:
                 self._owned_store.close()
+
+    def _leave(self) -> None:
+        """Leave the group's place in the store (never raises; the last rank out deletes its
+        keys), unless a group shrunk from this one still lives there: it leaves for both."""
+        if any(not sub.closed for sub in self._shrunk):
+            self._leave_pending = True
+        elif self._store is not None:
+            leave_group(self._store, self.rank, self.size)
+        for parent in self._parents:
+            if parent._leave_pending and not any(not s.closed for s in parent._shrunk):
+                parent._leave_pending = False
+                parent._leave()
 
     def __enter__(self) -> Communicator:
         return self
@@ -451,28 +559,43 @@ class Communicator:
                async_op: bool, stream: Any, staged: ArrayRef | None = None, target: Any = None,
                check: Callable[[float], None] | None = None, timeout: float = 0.0) -> Any:
         """Run ``call`` now (sync) or in issue order (async), marked in the progress record as
-        collective ``seq``; copy a contiguous stand-in of a strided ``target`` back into it
-        afterwards; run a debug ``check`` first."""
+        collective ``seq`` (None: a send or receive); copy a contiguous stand-in of a strided
+        ``target`` back into it afterwards; run a debug ``check`` first."""
         if check is not None or (staged is not None and staged.array is not target):
             call = _wrapped(call, check, timeout, staged, target)
-        if seq is not None:
-            call = self._tracked(seq, KIND[c.name], call)
+        call = self._tracked(seq, KIND[c.name], call, stream)
         if async_op:
+            self._recorder.current[QUEUED] = clock()
             return self._backend.run_async(call, stream=stream).bind(result, c.where)
         self._backend.run_sync(call)
         return result
 
-    def _tracked(self, seq: int, kind: int, call: Callable[[], None]) -> Callable[[], None]:
-        progress = self._progress
+    def _tracked(self, seq: int | None, kind: int, call: Callable[[], None],
+                 stream: Any = None) -> Callable[[], None]:
+        """``call`` marked in the progress record (collectives) and timed in the flight
+        recorder's latest entry; a failure that ends the group dumps the recorder."""
+        progress = None if seq is None else self._progress
+        entry = self._recorder.current
+        if stream is not None:
+            entry[STREAM] = stream_id(stream)
+        flight = self._flight
 
         def run() -> None:
-            progress.enter(seq, kind)
-            ok = False
+            entry[STARTED] = clock()
+            if progress is not None:
+                progress.enter(seq, kind)
             try:
                 call()
-                ok = True
-            finally:
-                progress.leave(ok)
+            except BaseException as exc:
+                entry[ENDED] = -clock()
+                if progress is not None:
+                    progress.leave(False)
+                if isinstance(exc, GpucollError):
+                    flight.failed(exc)
+                raise
+            if progress is not None:
+                progress.leave(True)
+            entry[ENDED] = clock()
 
         return run
 
@@ -480,6 +603,7 @@ class Communicator:
         """The sequence number of this collective (after the debug check, when it is on)."""
         seq = self._seq
         self._seq += 1
+        self._recorder.collective(seq, KIND[c.name], ref, fields)
         if self._check is None:
             return seq
         sig = {"call": c.name, "dtype": None, "shape": None, **fields}
@@ -490,6 +614,7 @@ class Communicator:
 
     def _pair_signature(self, c: Call, ref: ArrayRef, peer: int,
                         sending: bool) -> Callable[[float], None] | None:
+        self._recorder.point_to_point(KIND[c.name], ref, peer)
         if self._check is None:
             return None
         sig = {"call": c.name, "dtype": ref.dtype.name, "shape": list(ref.shape),

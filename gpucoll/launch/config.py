@@ -32,6 +32,7 @@ class LaunchConfig:
     device: bool = False
     isolate_gpus: bool = False
     token: str | None = None
+    keep_going: bool = False
 
     @property
     def world_size(self) -> int:

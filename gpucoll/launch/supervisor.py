@@ -5,6 +5,11 @@ cause: the others get ``grace`` seconds to end on their own (they usually notice
 and print why), then SIGTERM, then after ``grace`` more SIGKILL. A signal to the launcher is
 forwarded to every rank; a second SIGINT kills them at once. ``timeout`` bounds the whole job.
 In a job of several nodes, a failure on another node stops this node's ranks the same way.
+With ``keep_going`` a rank that fails is reported and the others go on.
+
+When ``timeout`` passes, the launcher first asks ``gpucoll doctor`` where every rank is (and
+prints the answer under the ranks' output); SIGUSR1 asks it the same while the job runs on.
+The ranks write their flight-recorder dumps into the job's trace directory.
 """
 
 from __future__ import annotations
@@ -12,17 +17,20 @@ from __future__ import annotations
 import dataclasses
 import os
 import queue
+import shutil
 import signal
 import sys
+import tempfile
 import time
 
-from gpucoll.launch import report
+from gpucoll.launch import checkup, report
 from gpucoll.launch.config import LaunchConfig
 from gpucoll.launch.environ import rank_env
 from gpucoll.launch.jobstore import RemoteAbort
 from gpucoll.launch.output import Console, RankOutput
 from gpucoll.launch.procs import Exit, RankProcess
-from gpucoll.launch.signals import Received, signals_to
+from gpucoll.launch.signals import DIAGNOSE, Received, signals_to
+from gpucoll.rendezvous import store_url
 
 OUTPUT_DRAIN = 5.0  # seconds to wait for a finished rank's last output
 
@@ -58,6 +66,11 @@ class Job:
         self.on_failure = lambda status, reason: None  # tells the other nodes
         self.deadlines = Deadlines()
         self.start = 0.0
+        self.store_url = ""
+        self.token = ""
+        self.trace_dir = ""
+        self.own_trace_dir = False  # made by the launcher: removed at the end when empty
+        self.diagnosis = ""  # the doctor's report when --timeout passed
 
     # ---- start -------------------------------------------------------------------------
 
@@ -65,6 +78,10 @@ class Job:
         """Start every local rank with its environment and output pumps."""
         if self.cfg.tee:
             os.makedirs(self.cfg.tee, exist_ok=True)
+        self.store_url, self.token = store_url(*store), token
+        self.trace_dir = self.cfg.tee or os.environ.get("GPUCOLL_TRACE_DIR") or ""
+        if not self.trace_dir:
+            self.trace_dir, self.own_trace_dir = tempfile.mkdtemp(prefix="gpucoll-run-"), True
         self.start = time.monotonic()
         if self.cfg.timeout is not None:
             self.deadlines.job = self.start + self.cfg.timeout
@@ -75,7 +92,7 @@ class Job:
             proc = RankProcess(rank, local, RankOutput(rank, self.console, log))
             self.ranks.append(proc)
             env = {**os.environ, **rank_env(self.cfg, local, store, token, torch_port,
-                                             self.gpus)}
+                                             self.gpus), "GPUCOLL_TRACE_DIR": self.trace_dir}
             proc.start(argv, env, self.events)
 
     # ---- supervise ---------------------------------------------------------------------
@@ -99,7 +116,12 @@ class Job:
     def _handle(self, event) -> None:
         if isinstance(event, Exit):
             self.exits[event.rank] = event
-            if event.returncode != 0 and self._is_failure(event):
+            if event.returncode != 0 and self.cfg.keep_going and event.rank not in self.sent:
+                self._note(f"rank {event.rank} failed ({report.describe(event.returncode)}); "
+                           f"the other ranks go on (--keep-going)")
+                if self.first_failure is None:
+                    self.first_failure = event
+            elif event.returncode != 0 and self._is_failure(event):
                 self.first_failure = event
                 self._schedule_stop(term_after=self.cfg.grace)
                 self.on_failure(report.exit_status(event.returncode),
@@ -122,6 +144,10 @@ class Job:
                 and self.remote is None)
 
     def _on_signal(self, event: Received) -> None:
+        if event.signum == DIAGNOSE:
+            self._note(f"received SIGUSR1: asking gpucoll doctor about the job\n"
+                       f"{self._checkup()}", raw=True)
+            return
         if (self.interrupt is not None and event.signum == signal.SIGINT
                 and self.interrupt.signum == signal.SIGINT):
             self._note(f"second {event.name}: killing every rank")
@@ -145,9 +171,10 @@ class Job:
             d.job = None
             if self._running():
                 self.timed_out = True
-                self._note(f"job timed out after {self.cfg.timeout:g} s; stopping ranks "
-                           f"{[p.rank for p in self._running()]}")
-                d.term = now
+                self._note(f"job timed out after {self.cfg.timeout:g} s; asking gpucoll doctor "
+                           f"why, then stopping ranks {[p.rank for p in self._running()]}")
+                self.diagnosis = self._checkup()
+                d.term = time.monotonic()
         if d.term is not None and now >= d.term:
             d.term = None
             self._signal_running(signal.SIGTERM)
@@ -155,6 +182,14 @@ class Job:
         if d.kill is not None and now >= d.kill:
             d.kill = None
             self._signal_running(signal.SIGKILL)
+
+    def _checkup(self) -> str:
+        """The doctor's report on this job (node 0 only: it hosts the store every rank of
+        the job answers through)."""
+        if self.cfg.node_rank != 0:
+            return "gpucoll run: the diagnosis is node 0's (its launcher hosts the job's store)"
+        known = checkup.facts(self.ranks, self.exits, self.start)
+        return checkup.run_doctor(self.store_url, self.token, self.trace_dir, known)
 
     def _running(self) -> list[RankProcess]:
         return [p for p in self.ranks if p.rank not in self.exits]
@@ -177,14 +212,25 @@ class Job:
                 except Exception:  # noqa: BLE001 - best effort on the way out
                     pass
             proc.output.join(OUTPUT_DRAIN)
+        self._tidy_trace_dir()
+
+    def _tidy_trace_dir(self) -> None:
+        """Remove the trace directory the launcher made if no rank wrote to it."""
+        if self.own_trace_dir and os.path.isdir(self.trace_dir) and \
+                not os.listdir(self.trace_dir):
+            shutil.rmtree(self.trace_dir, ignore_errors=True)
 
     def _finish(self) -> int:
         self.cleanup()
         if self.first_failure is not None:
             self._report_failure(self.first_failure)
+            self._point_at_dumps()
+            if self.cfg.keep_going:
+                return self._kept_going()
             return report.exit_status(self.first_failure.returncode)
         if self.timed_out:
             self._report_timeout()
+            self._point_at_dumps()
             return report.TIMEOUT_EXIT
         if self.interrupt is not None:
             self._note(f"interrupted by {self.interrupt.name}: "
@@ -201,6 +247,31 @@ class Job:
             first.rank, proc.local_rank, self.cfg.node_rank, proc.pid, first.returncode,
             first.time - self.start, proc.output.last_stderr(), others), raw=True)
 
+    def _kept_going(self) -> int:
+        """The status of a job that went on after losing ranks: the first rank that exited
+        with an error code fails it; ranks lost to a signal do not, when another finished."""
+        ended = sorted(self.exits.values(), key=lambda e: e.time)
+        coded = [e for e in ended if e.returncode > 0 and e.rank not in self.sent]
+        finished = sorted(e.rank for e in ended if e.returncode == 0)
+        lost = sorted(e.rank for e in ended if e.returncode < 0 and e.rank not in self.sent)
+        if coded:
+            return report.exit_status(coded[0].returncode)
+        if finished:
+            self._note(f"--keep-going: {_ranks(lost)} lost, {_ranks(finished)} finished; the "
+                       f"job succeeds")
+            return 0
+        return report.exit_status(self.first_failure.returncode)
+
+    def _point_at_dumps(self) -> None:
+        """Say where the ranks' dumps are, and leave the launcher's facts beside them."""
+        dumps = [f for f in os.listdir(self.trace_dir) if f.endswith(".trace.jsonl")] \
+            if os.path.isdir(self.trace_dir) else []
+        if dumps:
+            checkup.save_facts(self.trace_dir, checkup.facts(self.ranks, self.exits,
+                                                             self.start))
+            self._note(f"flight recorders of {len(dumps)} rank(s) in {self.trace_dir}; "
+                       f"`gpucoll doctor {self.trace_dir}` reads them")
+
     def _report_timeout(self) -> None:
         hung = [p for p in self.ranks if p.rank in self.sent]
         lines = [f"gpucoll run: job timed out after {self.cfg.timeout:g} s (--timeout); "
@@ -208,6 +279,9 @@ class Job:
         for p in hung:
             lines.append(f"  {self._fate(p)}")
             lines += [f"      {line}" for line in p.output.last_stderr()[-5:]]
+        if self.diagnosis:
+            lines += ["gpucoll run: what gpucoll doctor found when the job timed out:",
+                      self.diagnosis]
         self._note("\n".join(lines), raw=True)
 
     def _fate(self, proc: RankProcess) -> str:
@@ -221,6 +295,10 @@ class Job:
     def _note(self, text: str, raw: bool = False) -> None:
         msg = text if raw else f"gpucoll run: {text}"
         self.console.write("stderr", (msg + "\n").encode())
+
+
+def _ranks(ranks: list[int]) -> str:
+    return f"rank {ranks[0]}" if len(ranks) == 1 else f"ranks {', '.join(map(str, ranks))}"
 
 
 def console() -> Console:

@@ -1,0 +1,144 @@
+"""The flight recorder: a communicator's last N calls, always on, at a fixed small cost per call.
+
+Each call gets one entry in a ring of ``capacity`` slots (``GPUCOLL_TRACE_SIZE``, default 2000;
+0 keeps none): a short list made in one step -- sequence number, call kind (an index into
+``progress.KINDS``), dtype, element count, the signature's root and op, peer, stream -- and the
+times it was queued, started and ended, read from the monotonic clock once per event. Recording
+formats and looks up nothing: the dtype and the signature's fields are the call's own objects,
+held by reference, and ``records()`` turns entries into words only when someone asks (a dump).
+An entry's end time is negative when the call failed.
+
+Entries are written by the thread that makes or runs the call and may be read at any moment by
+another thread (a dump): every field is one list item, so a reader sees each whole or not yet.
+"""
+
+from __future__ import annotations
+
+import os
+import time
+from typing import Any
+
+from gpucoll.progress import kind_name
+
+DEFAULT_SIZE = 2000
+SIZE_VARIABLE = "GPUCOLL_TRACE_SIZE"
+MAX_SIZE = 1 << 20
+
+# fields of an entry: the call's own objects (a dtype, the signature's dict of root and op)
+# are kept by reference, which costs nothing; they become words only in ``record``
+SEQ, KIND, DTYPE, COUNT, FIELDS, PEER, STREAM, ORDINAL, QUEUED, STARTED, ENDED = range(11)
+
+clock = time.monotonic_ns  # the one clock read per event
+_NO_FIELDS: dict[str, Any] = {}
+
+
+def size_from_env(environ: Any = None) -> int:
+    """``GPUCOLL_TRACE_SIZE`` as a number of entries; ValueError naming the variable if bad."""
+    raw = (os.environ if environ is None else environ).get(SIZE_VARIABLE, "")
+    if raw.strip() == "":
+        return DEFAULT_SIZE
+    try:
+        size = int(raw)
+    except ValueError:
+        size = -1
+    if not 0 <= size <= MAX_SIZE:
+        raise ValueError(f"{SIZE_VARIABLE}={raw!r}: expected a number of calls from 0 (off) to "
+                         f"{MAX_SIZE}")
+    return size
+
+
+class Recorder:
+    """The last ``capacity`` calls of one communicator (none kept when ``capacity`` is 0)."""
+
+    __slots__ = ("capacity", "entries", "count", "current", "wall_offset")
+
+    def __init__(self, capacity: int = DEFAULT_SIZE):
+        self.capacity = capacity
+        self.entries: list[list | None] = [None] * capacity
+        self.count = 0  # entries made so far
+        self.current: list = _blank()  # the latest call's entry (a scratch one when off)
+        # monotonic -> wall clock, so that the ranks' records line up on one time axis
+        self.wall_offset = time.time_ns() - clock()
+
+    def collective(self, seq: int, kind: int, ref: Any, fields: dict[str, Any]) -> None:
+        """Collective ``seq`` of ``kind`` passed its checks: make its entry. ``ref``: its array
+        (or None); ``fields``: its signature's other fields (``root``, ``op``), not copied."""
+        n = self.count
+        self.count = n + 1
+        if ref is None:
+            entry = [seq, kind, None, -1, fields, -1, 0, n, 0, 0, 0]
+        else:
+            entry = [seq, kind, ref.dtype, ref.count, fields, -1, 0, n, 0, 0, 0]
+        if self.capacity:
+            self.entries[n % self.capacity] = entry
+        self.current = entry
+
+    def point_to_point(self, kind: int, ref: Any, peer: int) -> None:
+        """A send or receive with ``peer`` passed its checks: make its entry."""
+        n = self.count
+        self.count = n + 1
+        entry = [-1, kind, ref.dtype, ref.count, _NO_FIELDS, peer, 0, n, 0, 0, 0]
+        if self.capacity:
+            self.entries[n % self.capacity] = entry
+        self.current = entry
+
+    def snapshot(self) -> list[list]:
+        """Copies of the entries held now, oldest first."""
+        held = [list(e) for e in list(self.entries) if e is not None]
+        held.sort(key=lambda e: e[ORDINAL])
+        return held
+
+    def records(self) -> list[dict[str, Any]]:
+        """The entries as dicts of names and wall-clock microseconds (see ``record``)."""
+        return [record(e, self.wall_offset) for e in self.snapshot()]
+
+
+def _blank() -> list:
+    return [-1, 0, None, -1, _NO_FIELDS, -1, 0, -1, 0, 0, 0]
+
+
+def record(entry: list, wall_offset: int) -> dict[str, Any]:
+    """One entry in words: call, seq (-1 for sends and receives), dtype, count, root, op,
+    peer, stream, the times queued/started/ended in microseconds since the epoch (None: not
+    yet), and its state: ``issued`` (queued, not started), ``posted`` (a non-blocking send or
+    receive, whose end the recorder does not see), ``running``, ``done`` or ``failed``."""
+    queued, started, ended = entry[QUEUED], entry[STARTED], entry[ENDED]
+    name = kind_name(entry[KIND])
+    if not started:
+        state = "posted" if name in ("send", "recv") and queued else "issued"
+    else:
+        state = "running" if not ended else "done" if ended > 0 else "failed"
+    out: dict[str, Any] = {"call": name, "seq": entry[SEQ]}
+    dtype, fields = entry[DTYPE], entry[FIELDS]
+    if dtype is not None:
+        out["dtype"] = getattr(dtype, "name", str(dtype))
+    if entry[COUNT] >= 0:
+        out["count"] = entry[COUNT]
+    root, op = fields.get("root"), fields.get("op")
+    if isinstance(root, int):
+        out["root"] = root
+    if op is not None:
+        out["op"] = getattr(op, "value", str(op))
+    if entry[PEER] >= 0:
+        out["peer"] = entry[PEER]
+    if entry[STREAM]:
+        out["stream"] = entry[STREAM]
+    out["queued"] = _us(queued or started, wall_offset)
+    out["started"] = _us(started, wall_offset)
+    out["ended"] = _us(abs(ended), wall_offset)
+    out["state"] = state
+    return out
+
+
+def _us(t: int, wall_offset: int) -> float | None:
+    return round((t + wall_offset) / 1000, 1) if t else None
+
+
+def stream_id(stream: Any) -> int:
+    """A number for a stream argument (CuPy's ``ptr``, an int handle), 0 for the default."""
+    if stream is None:
+        return 0
+    if isinstance(stream, int):
+        return stream
+    ptr = getattr(stream, "ptr", None)
+    return ptr if isinstance(ptr, int) else -1
