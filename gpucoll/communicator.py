@@ -388,25 +388,24 @@ class Communicator:
         The survivors agree through the store on who is left (a rank whose will says it died or
         closed is out; one that has not called ``shrink`` by the deadline is out too, and
         raises PeerFailure when it does); if another rank dies while the new group forms, they
-        agree again without it. Needs the store to outlive the lost ranks (``gpucoll run``'s
-        store lives in the launcher). This communicator stays as it was: close it when done;
-        its place in the store is kept until the shrunk group closes.
+        agree again without it. ``timeout`` bounds the wait for the survivors, and then again
+        the forming of the new group. Needs the store to outlive the lost ranks (``gpucoll
+        run``'s store lives in the launcher). This communicator stays as it was: close it when
+        done; its place in the store is kept until the shrunk group closes.
         """
         c = self._call("shrink")
         t = c.timeout(timeout, self.timeout)
         if self._liveness is None:
             raise UsageError(f"{c.where}: shrink needs a store that keeps wills (a TCPStore "
                              f"or PrefixStore of one), to tell the dead ranks from the living")
-        deadline = time.monotonic() + t
         epoch = self._shrinks
         self._shrinks += 1
         for attempt in range(self.size):
             name = f"shrink/{epoch}/{attempt}"
-            left = max(deadline - time.monotonic(), 0.0)
             members = self._in_store(functools.partial(
-                agree_survivors, self._store, self.rank, self.size, self._liveness, left,
+                agree_survivors, self._store, self.rank, self.size, self._liveness, t,
                 attempt=name, what=c.where))
-            sub = self._shrunk_group(c, name, members, deadline)
+            sub = self._shrunk_group(c, name, members, time.monotonic() + t)
             if sub is not None:
                 return sub
         raise PeerFailure(f"{c.where}: every attempt to shrink the group lost another rank")

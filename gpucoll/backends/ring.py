@@ -515,7 +515,7 @@ class RingBackend(Backend):
             self._state.failure = err
         try:  # wake a call blocked in the engine; -1 once released
             os.eventfd_write(self._mesh.bell, 1)
-        except OSError:
+        except (OSError, ValueError):  # ValueError: -1, the connections are released
             pass
         self._fail(err)
 

@@ -152,11 +152,10 @@ class _Case:
                 text += f" for {waited:.1f} s"
             if not p.responsive and r not in self.records:
                 text += " (read from its memory by a peer)"
-            if note:
-                text += f", {note}"
-            groups.setdefault((p.order, text), []).append(r)
+            groups.setdefault((p.order, text, note), []).append(r)
         parts = [f"{_ranks(rs)} {'is' if len(rs) == 1 else 'are'} {text}"
-                 for (_, text), rs in sorted(groups.items())]
+                 + (f", {_plural(note, len(rs))}" if note else "")
+                 for (_, text, note), rs in sorted(groups.items())]
         by_note: dict[str, list[int]] = {}
         for note, r in silent:
             by_note.setdefault(note, []).append(r)
@@ -193,11 +192,15 @@ class _Case:
     def _place(self, ranks: list[int]) -> str:
         """Where ``ranks`` (all at one position) are, with what else is known of them."""
         text = self.positions[ranks[0]].where()
-        notes = [(r, self.note(r)) for r in ranks if self.note(r)]
-        if len(ranks) == 1 and notes:
-            return f"{text}, {notes[0][1]}"
+        notes: dict[str, list[int]] = {}
+        for r in ranks:
+            if self.note(r):
+                notes.setdefault(self.note(r), []).append(r)
+        if list(notes.values()) == [ranks]:  # one note for all of them
+            return f"{text}, {_plural(next(iter(notes)), len(ranks))}"
         if notes:
-            text += " (" + "; ".join(f"rank {r} {n}" for r, n in notes) + ")"
+            text += " (" + "; ".join(f"{_ranks(rs)} {_plural(n, len(rs))}"
+                                     for n, rs in notes.items()) + ")"
         return text
 
     def divergence(self, mismatch: tuple[int, str] | None) -> str:
@@ -342,6 +345,14 @@ class _Case:
 
 
 _NONE = RankRecord("", 0, 0, 0, "", Position(0, -1, 0, 0), None, [], False, "", None, "", 0.0, {})
+
+
+def _plural(note: str, count: int) -> str:
+    """A note about one rank, said of ``count`` of them."""
+    if count == 1:
+        return note
+    return note.replace(" its communicator", " their communicators").replace(
+        "is stopped", "are stopped").replace(" its connection", " their connections")
 
 
 def _failed_exit(fact: dict[str, Any]) -> bool:
