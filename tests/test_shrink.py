@@ -204,3 +204,99 @@ def _nobody_lost(rank, n, addr):
 def test_shrinking_a_whole_group_keeps_every_rank(store_addr):
     assert spawn(_nobody_lost, 3, store_addr) == [
         {"rank": r, "size": 3, "olds": [0, 1, 2], "sum": 3.0} for r in range(3)]
+
+
+# -- the NCCL backend (on the emulation of NCCL the NCCL tests use) ------------------------------
+
+def _nccl_rank_dies(rank, n, addr):
+    """Rank 2 dies; once its will says so, the others shrink, and the new group, a new NCCL
+    communicator (CuPy's binding has no ncclCommShrink), computes on device arrays."""
+    from nccl_emulation import EmulatedRuntime, FakeDeviceArray
+
+    from gpucoll import cuda
+    from gpucoll.default import create
+
+    rt = EmulatedRuntime(addr)
+    cuda.set_runtime(rt)
+    comm = create("nccl", rank=rank, world_size=n, store=addr, timeout=LONG)
+    try:
+        x = FakeDeviceArray(np.ones(4, np.float32), rt)
+        comm.all_reduce(x)
+        rt.synchronize()
+        if rank == 2:
+            os.kill(os.getpid(), signal.SIGKILL)
+        _side(addr).wait([f"{SLOT}/gone/2"], timeout=LONG)
+        new = comm.shrink()
+        y = FakeDeviceArray(np.full(4, rank + 1, np.float32), rt)
+        new.all_reduce(y)
+        rt.synchronize()
+        result = (new.backend, new.rank, new.size, y.get().tolist())
+        new.close()
+        return result
+    finally:
+        comm.close()
+        rt.close()
+        cuda.set_runtime(None)
+
+
+def test_nccl_survivors_without_ncclcommshrink_start_a_new_communicator(store_addr):
+    outcomes = spawn(_nccl_rank_dies, 3, store_addr, check=False)
+    assert outcomes[2].exitcode == -signal.SIGKILL
+    assert [o.value for o in outcomes[:2]] == [("nccl", r, 2, [3.0] * 4) for r in range(2)], \
+        outcomes
+
+
+class _ShrinkableComm:
+    """An NCCL communicator whose binding has ncclCommShrink (as nccl4py's does): it records
+    the call and returns the new communicator."""
+
+    def __init__(self, calls: list):
+        self.calls = calls
+
+    def shrink(self, excluded, *rest):
+        self.calls.append(("shrink", list(excluded), rest))
+        return _ShrinkableComm(self.calls)
+
+    def check_async_error(self):
+        pass
+
+    def abort(self):
+        self.calls.append(("abort",))
+
+    def destroy(self):
+        self.calls.append(("destroy",))
+
+
+def _nccl_native_shrink(rank, n, addr, dead):
+    from nccl_emulation import EmulatedRuntime
+
+    from gpucoll import cuda
+    from gpucoll.backends.nccl import NcclBackend
+    from gpucoll.store import PrefixStore
+
+    rt = EmulatedRuntime(addr)
+    cuda.set_runtime(rt)
+    calls: list = []
+    try:
+        store = _side(addr)
+        old = NcclBackend(PrefixStore("old", store), rank, n, timeout=LONG,
+                          _comm=_ShrinkableComm(calls))
+        members = [r for r in range(n) if r != dead]
+        new = old.shrink(PrefixStore("new", store), members, timeout=LONG)
+        shape = (new.rank, new.size)
+        new.close()
+        old.close()
+        return shape, calls
+    finally:
+        rt.close()
+        cuda.set_runtime(None)
+
+
+def test_nccl_survivors_whose_binding_can_shrink_call_ncclcommshrink(store_addr):
+    """Ranks 0 and 2 of 3 survive rank 1 with communicators still usable: they exclude it with
+    ncclCommShrink rather than start a new communicator."""
+    outcomes = spawn(_nccl_native_shrink, 3, store_addr, 1, check=False)
+    for r, new_rank in ((0, 0), (2, 1)):
+        shape, calls = outcomes[r].value
+        assert shape == (new_rank, 2)
+        assert calls[0] == ("shrink", [1], ())

@@ -11,6 +11,7 @@ All CUDA access goes through ``gpucoll.cuda`` so the emulation in the tests can 
 from __future__ import annotations
 
 import copy
+import sys
 import threading
 import time
 from collections.abc import Callable
@@ -23,6 +24,7 @@ from gpucoll.backends.nccl_types import reduce_plan, wire
 from gpucoll.backends.nccl_watch import EventWork, Pending, Watchdog, translate
 from gpucoll.errors import BackendUnavailable, GpucollError
 from gpucoll.ops import ReduceOp
+from gpucoll.store.gather import gather
 
 COMM_SPLIT_VERSION = 21801  # ncclCommSplit needs NCCL >= 2.18.1
 
@@ -285,6 +287,13 @@ class NcclBackend(Backend):
             return None
         return NcclBackend(store, rank, size, timeout=timeout, device=self.device)
 
+    def shrink(self, store: Any, members: list[int], *, timeout: float,
+               liveness: Any = None) -> NcclBackend:
+        """The survivors' communicator (``shrink_comm``), on this rank's device."""
+        comm = shrink_comm(self, store, members, timeout, liveness)
+        return NcclBackend(store, members.index(self.rank), len(members), timeout=timeout,
+                           device=self.device, _comm=comm)
+
     def stream_wait(self, event: Any) -> None:
         """Make the current stream wait for ``event``."""
         self._rt.wait_event(self._rt.current_stream(), event)
@@ -342,3 +351,41 @@ class NcclBackend(Backend):
                 self._comm.abort()
         except Exception:  # noqa: BLE001 - closing never raises
             pass
+
+
+# -- shrinking -------------------------------------------------------------------------------
+# Written against the current binding (CuPy's NcclCommunicator, which has no shrink); the
+# backend's move to nccl4py brings Communicator.shrink (ncclCommShrink), used below when every
+# member has it.
+
+def shrink_comm(backend: NcclBackend, store: Any, members: list[int], timeout: float,
+                liveness: Any = None) -> Any:
+    """An NCCL communicator of ``members`` (ranks of ``backend``'s group, this one among them),
+    rank i being ``members[i]``; collective over the members, meeting in ``store``.
+
+    ncclCommShrink when every member can call it: its binding has it and its communicator was
+    not aborted. This backend aborts a communicator at its first failure (that frees streams
+    hung on a dead peer), so after a PeerFailure none can: the members then start a new
+    communicator among themselves, as at start-up, with a fresh unique id. They vote in the
+    store first, since all must take the same way.
+    """
+    rank, size = members.index(backend.rank), len(members)
+    able = hasattr(backend._comm, "shrink") and backend._failure is None and not backend._closed
+    store.set(f"nccl/shrink/{rank}", b"1" if able else b"0")
+    votes = gather(store, [f"nccl/shrink/{r}" for r in range(size)], timeout,
+                   what=f"NCCL shrink on rank {backend.rank}", rank=rank, liveness=liveness)
+    if all(v == b"1" for v in votes):
+        excluded = [r for r in range(backend.size) if r not in members]
+        return backend._call("shrink", _native_shrink, backend._comm, excluded)
+    nccl_boot.arrive(store, rank, size, timeout, what="NCCL shrink")
+    raw = nccl_boot.share_unique_id(store, rank, size, backend._nccl, timeout)
+    return backend._call("NCCL shrink", nccl_boot.create_comm, backend._nccl, size, raw, rank)
+
+
+def _native_shrink(comm: Any, excluded: list[int]) -> Any:
+    """``comm.shrink(excluded)`` with NCCL_SHRINK_ABORT where the binding names it (nccl4py's
+    ``CommShrinkFlag.ABORT``): work still enqueued on the old communicator is abandoned."""
+    flags = getattr(sys.modules.get("nccl.core"), "CommShrinkFlag", None)
+    if flags is None:
+        return comm.shrink(excluded)
+    return comm.shrink(excluded, None, flags.ABORT)
