@@ -43,7 +43,6 @@ from gpucoll.arrays import as_ref
 from gpucoll.backends.nccl import NcclBackend
 from gpucoll.communicator import Communicator
 from gpucoll.ops import ReduceOp
-from gpucoll.progress import KIND
 from gpucoll.recorder import ENDED, STARTED, Recorder, clock
 from gpucoll.store import PrefixStore, TCPStore
 
@@ -212,16 +211,14 @@ def recorder_cases() -> list[tuple[str, Any]]:
     rec = Recorder()
     ref = as_ref(np.zeros(1024, np.float32), "x")
     fields = {"op": ReduceOp.SUM}
-    kind, send = KIND["all_reduce"], KIND["send"]
-
     def collective() -> None:
-        rec.collective(7, kind, ref, fields)
+        rec.collective(7, "all_reduce", ref, fields)
         entry = rec.current
         entry[STARTED] = clock()
         entry[ENDED] = clock()
 
     def point_to_point() -> None:
-        rec.point_to_point(send, ref, 1)
+        rec.point_to_point("send", ref, 1)
         entry = rec.current
         entry[STARTED] = clock()
         entry[ENDED] = clock()

@@ -562,38 +562,49 @@ class Communicator:
         ``target`` back into it afterwards; run a debug ``check`` first."""
         if check is not None or (staged is not None and staged.array is not target):
             call = _wrapped(call, check, timeout, staged, target)
-        call = self._tracked(seq, KIND[c.name], call, stream)
+        if stream is not None:
+            self._recorder.current[STREAM] = stream_id(stream)
+        call = self._timed(call) if seq is None else self._tracked(seq, KIND[c.name], call)
         if async_op:
             self._recorder.current[QUEUED] = clock()
             return self._backend.run_async(call, stream=stream).bind(result, c.where)
         self._backend.run_sync(call)
         return result
 
-    def _tracked(self, seq: int | None, kind: int, call: Callable[[], None],
-                 stream: Any = None) -> Callable[[], None]:
-        """``call`` marked in the progress record (collectives) and timed in the flight
+    def _tracked(self, seq: int, kind: int, call: Callable[[], None]) -> Callable[[], None]:
+        """``call``, collective ``seq``, marked in the progress record and timed in the flight
         recorder's latest entry; a failure that ends the group dumps the recorder."""
-        progress = None if seq is None else self._progress
-        entry = self._recorder.current
-        if stream is not None:
-            entry[STREAM] = stream_id(stream)
-        flight = self._flight
+        progress, entry, flight = self._progress, self._recorder.current, self._flight
 
         def run() -> None:
             entry[STARTED] = clock()
-            if progress is not None:
-                progress.enter(seq, kind)
+            progress.enter(seq, kind)
             try:
                 call()
             except BaseException as exc:
                 entry[ENDED] = -clock()
-                if progress is not None:
-                    progress.leave(False)
+                progress.leave(False)
                 if isinstance(exc, GpucollError):
                     flight.failed(exc)
                 raise
-            if progress is not None:
-                progress.leave(True)
+            progress.leave(True)
+            entry[ENDED] = clock()
+
+        return run
+
+    def _timed(self, call: Callable[[], None]) -> Callable[[], None]:
+        """``call``, a send or receive, timed in the flight recorder's latest entry."""
+        entry, flight = self._recorder.current, self._flight
+
+        def run() -> None:
+            entry[STARTED] = clock()
+            try:
+                call()
+            except BaseException as exc:
+                entry[ENDED] = -clock()
+                if isinstance(exc, GpucollError):
+                    flight.failed(exc)
+                raise
             entry[ENDED] = clock()
 
         return run
@@ -602,7 +613,7 @@ class Communicator:
         """The sequence number of this collective (after the debug check, when it is on)."""
         seq = self._seq
         self._seq += 1
-        self._recorder.collective(seq, KIND[c.name], ref, fields)
+        self._recorder.collective(seq, c.name, ref, fields)
         if self._check is None:
             return seq
         sig = {"call": c.name, "dtype": None, "shape": None, **fields}
@@ -613,7 +624,7 @@ class Communicator:
 
     def _pair_signature(self, c: Call, ref: ArrayRef, peer: int,
                         sending: bool) -> Callable[[float], None] | None:
-        self._recorder.point_to_point(KIND[c.name], ref, peer)
+        self._recorder.point_to_point(c.name, ref, peer)
         if self._check is None:
             return None
         sig = {"call": c.name, "dtype": ref.dtype.name, "shape": list(ref.shape),

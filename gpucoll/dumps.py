@@ -22,6 +22,7 @@ thread holds any lock (a store connection's, the ring's, stdout's).
 
 from __future__ import annotations
 
+import atexit
 import json
 import os
 import queue
@@ -59,6 +60,7 @@ _LISTENERS: dict[tuple, _Listener] = {}
 _JOBS: queue.SimpleQueue = queue.SimpleQueue()  # for the worker; SIGUSR1 puts _SIGNALLED
 _SIGNALLED = "SIGUSR1"
 _worker: threading.Thread | None = None
+_PENDING: set[threading.Event] = set()  # summaries on their way to the store
 
 
 def trace_dir() -> str | None:
@@ -97,6 +99,7 @@ class Flight:
             write_files(directory, f"{type(exc).__name__} on rank {self.rank}")
         if self.base is not None and self.slot:
             done = self._posted = threading.Event()
+            _PENDING.add(done)
             _post(lambda: self._publish(done))
 
     def close(self) -> None:
@@ -126,7 +129,7 @@ class Flight:
         head: dict[str, Any] = {
             "type": "group", "group": self.group, "rank": self.rank, "size": self.size,
             "family": self.family, "backend": self.backend_name, "closed": self.closed,
-            "calls": self.recorder.count, "trace_size": self.recorder.capacity,
+            "trace_size": self.recorder.capacity,
             "position": position_dict(pos), "where": pos.where(), "error": None,
             "peers": self._peers(),
         }
@@ -168,6 +171,7 @@ class Flight:
             pass  # the store is gone: the file, where there is one, still tells
         finally:
             done.set()
+            _PENDING.discard(done)
 
 
 def position_dict(p: Position) -> dict[str, int]:
@@ -335,9 +339,19 @@ def _forked() -> None:
     _LISTENERS.clear()
     _JOBS = queue.SimpleQueue()
     _worker = None
+    _PENDING.clear()
 
 
 os.register_at_fork(after_in_child=_forked)
+
+
+@atexit.register
+def _flush() -> None:
+    """A process that ends without closing its communicators (an uncaught PeerFailure) still
+    gives its summaries a moment to reach the store."""
+    deadline = time.monotonic() + FLUSH_S
+    for done in list(_PENDING):
+        done.wait(max(deadline - time.monotonic(), 0.0))
 
 
 # -- answering the doctor ------------------------------------------------------------------

@@ -1,12 +1,12 @@
 """The flight recorder: a communicator's last N calls, always on, at a fixed small cost per call.
 
 Each call gets one entry in a ring of ``capacity`` slots (``GPUCOLL_TRACE_SIZE``, default 2000;
-0 keeps none): a short list made in one step -- sequence number, call kind (an index into
-``progress.KINDS``), dtype, element count, the signature's root and op, peer, stream -- and the
-times it was queued, started and ended, read from the monotonic clock once per event. Recording
-formats and looks up nothing: the dtype and the signature's fields are the call's own objects,
-held by reference, and ``records()`` turns entries into words only when someone asks (a dump).
-An entry's end time is negative when the call failed.
+0 keeps none): a short list made in one step -- sequence number, call, dtype, element count,
+the signature's root and op, peer, stream -- and the times it was queued, started and ended,
+read from the monotonic clock once per event. Recording formats and looks up nothing: the
+call's name, its dtype and its signature's fields are the call's own objects, held by
+reference, and ``records()`` turns entries into words only when someone asks (a dump). An
+entry's end time is negative when the call failed.
 
 Entries are written by the thread that makes or runs the call and may be read at any moment by
 another thread (a dump): every field is one list item, so a reader sees each whole or not yet.
@@ -14,19 +14,18 @@ another thread (a dump): every field is one list item, so a reader sees each who
 
 from __future__ import annotations
 
+import collections
 import os
 import time
 from typing import Any
-
-from gpucoll.progress import kind_name
 
 DEFAULT_SIZE = 2000
 SIZE_VARIABLE = "GPUCOLL_TRACE_SIZE"
 MAX_SIZE = 1 << 20
 
-# fields of an entry: the call's own objects (a dtype, the signature's dict of root and op)
-# are kept by reference, which costs nothing; they become words only in ``record``
-SEQ, KIND, DTYPE, COUNT, FIELDS, PEER, STREAM, ORDINAL, QUEUED, STARTED, ENDED = range(11)
+# fields of an entry: the call's own objects (its name, a dtype, the signature's dict of root
+# and op) are kept by reference, which costs nothing; they become words only in ``record``
+SEQ, CALL, DTYPE, COUNT, FIELDS, PEER, STREAM, QUEUED, STARTED, ENDED = range(10)
 
 clock = time.monotonic_ns  # the one clock read per event
 _NO_FIELDS: dict[str, Any] = {}
@@ -50,43 +49,38 @@ def size_from_env(environ: Any = None) -> int:
 class Recorder:
     """The last ``capacity`` calls of one communicator (none kept when ``capacity`` is 0)."""
 
-    __slots__ = ("capacity", "entries", "count", "current", "wall_offset")
+    __slots__ = ("capacity", "entries", "_keep", "current", "wall_offset")
 
     def __init__(self, capacity: int = DEFAULT_SIZE):
         self.capacity = capacity
-        self.entries: list[list | None] = [None] * capacity
-        self.count = 0  # entries made so far
+        # a deque drops the oldest entry itself; copying it (a dump) is one C call, which no
+        # other thread can interleave with
+        self.entries: collections.deque = collections.deque(maxlen=capacity)
+        self._keep = self.entries.append
         self.current: list = _blank()  # the latest call's entry (a scratch one when off)
         # monotonic -> wall clock, so that the ranks' records line up on one time axis
         self.wall_offset = time.time_ns() - clock()
 
-    def collective(self, seq: int, kind: int, ref: Any, fields: dict[str, Any]) -> None:
-        """Collective ``seq`` of ``kind`` passed its checks: make its entry. ``ref``: its array
-        (or None); ``fields``: its signature's other fields (``root``, ``op``), not copied."""
-        n = self.count
-        self.count = n + 1
+    def collective(self, seq: int, call: str, ref: Any, fields: dict[str, Any]) -> None:
+        """Collective ``seq``, a ``call`` (its name), passed its checks: make its entry.
+        ``ref``: its array (or None); ``fields``: its signature's other fields (``root``,
+        ``op``), not copied."""
         if ref is None:
-            entry = [seq, kind, None, -1, fields, -1, 0, n, 0, 0, 0]
+            entry = [seq, call, None, -1, fields, -1, 0, 0, 0, 0]
         else:
-            entry = [seq, kind, ref.dtype, ref.count, fields, -1, 0, n, 0, 0, 0]
-        if self.capacity:
-            self.entries[n % self.capacity] = entry
+            entry = [seq, call, ref.dtype, ref.count, fields, -1, 0, 0, 0, 0]
+        self._keep(entry)
         self.current = entry
 
-    def point_to_point(self, kind: int, ref: Any, peer: int) -> None:
+    def point_to_point(self, call: str, ref: Any, peer: int) -> None:
         """A send or receive with ``peer`` passed its checks: make its entry."""
-        n = self.count
-        self.count = n + 1
-        entry = [-1, kind, ref.dtype, ref.count, _NO_FIELDS, peer, 0, n, 0, 0, 0]
-        if self.capacity:
-            self.entries[n % self.capacity] = entry
+        entry = [-1, call, ref.dtype, ref.count, _NO_FIELDS, peer, 0, 0, 0, 0]
+        self._keep(entry)
         self.current = entry
 
     def snapshot(self) -> list[list]:
         """Copies of the entries held now, oldest first."""
-        held = [list(e) for e in list(self.entries) if e is not None]
-        held.sort(key=lambda e: e[ORDINAL])
-        return held
+        return [list(e) for e in list(self.entries)]
 
     def records(self) -> list[dict[str, Any]]:
         """The entries as dicts of names and wall-clock microseconds (see ``record``)."""
@@ -94,7 +88,7 @@ class Recorder:
 
 
 def _blank() -> list:
-    return [-1, 0, None, -1, _NO_FIELDS, -1, 0, -1, 0, 0, 0]
+    return [-1, "", None, -1, _NO_FIELDS, -1, 0, 0, 0, 0]
 
 
 def record(entry: list, wall_offset: int) -> dict[str, Any]:
@@ -103,7 +97,7 @@ def record(entry: list, wall_offset: int) -> dict[str, Any]:
     yet), and its state: ``issued`` (queued, not started), ``posted`` (a non-blocking send or
     receive, whose end the recorder does not see), ``running``, ``done`` or ``failed``."""
     queued, started, ended = entry[QUEUED], entry[STARTED], entry[ENDED]
-    name = kind_name(entry[KIND])
+    name = entry[CALL]
     if not started:
         state = "posted" if name in ("send", "recv") and queued else "issued"
     else:

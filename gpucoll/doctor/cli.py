@@ -97,12 +97,9 @@ def _text(evidence, verdicts, timeline: str | None) -> str:
             f"{problems} with a problem" if problems else
             f"gpucoll doctor: {len(verdicts)} communicator(s) in {evidence.source}: "
             f"no problem found")
-    lines = [head]
-    first = next((v for v in verdicts if v.problem), None)
-    if first is not None:
-        lines.append(f"  {first.headline}")
-    lines.append("")
-    lines += [v.text() for v in verdicts]
+    first = next((v for v in verdicts if v.problem), verdicts[0] if verdicts else None)
+    lines = [head] + ([f"  {first.headline}"] if first is not None else []) + [""]
+    lines += [v.text(headline=v is not first) for v in verdicts]
     if timeline:
         lines.append(f"\ntimeline written to {os.path.abspath(timeline)} (open it in "
                      f"https://ui.perfetto.dev or chrome://tracing)")

@@ -37,9 +37,12 @@ class Verdict:
     headline: str
     details: list[tuple[str, str]]  # (label, text)
 
-    def text(self) -> str:
+    def text(self, headline: bool = True) -> str:
+        """The verdict in lines; ``headline=False`` leaves out the headline (said above)."""
         lines = [f"group {self.group} ({self.size} ranks, {self.backend}): "
-                 f"{'PROBLEM' if self.problem else 'ok'}", f"  {self.headline}"]
+                 f"{'PROBLEM' if self.problem else 'ok'}"]
+        if headline:
+            lines.append(f"  {self.headline}")
         width = max((len(label) for label, _ in self.details), default=0)
         lines += [f"    {label + ':':<{width + 1}} {text}" for label, text in self.details]
         return "\n".join(lines)
@@ -115,6 +118,8 @@ class _Case:
     def note(self, r: int) -> str:
         """How rank ``r`` fares beyond its position: died, closed, stopped, silent."""
         fact, gone = self.facts.get(r, {}), self.g.gone.get(r)
+        if fact.get("stopped_by_launcher") and fact.get("state") == "exited":
+            return f"stopped by the launcher ({fact['stopped_by_launcher']}) afterwards"
         if _failed_exit(fact):
             verb = "died" if fact.get("returncode", -1) < 0 else "exited"
             return f"{verb} ({fact.get('how', 'its process ended')})"
@@ -138,28 +143,26 @@ class _Case:
 
     def where(self) -> str:
         """Every rank's position in one line, the rank(s) furthest behind first."""
-        groups: dict[tuple[int, str], list[int]] = {}
-        silent = []
+        groups: dict[tuple[int, str, str], list[int]] = {}
+        silent: dict[str, list[int]] = {}
         for r in range(self.g.size):
             p = self.positions.get(r)
             note = self.note(r)
             if p is None:
-                silent.append((note or "left no record", r))
+                silent.setdefault(note or "left no record", []).append(r)
                 continue
             text = p.where()
-            waited = self._waited(r)
-            if waited is not None and waited >= 0.1:
-                text += f" for {waited:.1f} s"
             if not p.responsive and r not in self.records:
                 text += " (read from its memory by a peer)"
             groups.setdefault((p.order, text, note), []).append(r)
-        parts = [f"{_ranks(rs)} {'is' if len(rs) == 1 else 'are'} {text}"
-                 + (f", {_plural(note, len(rs))}" if note else "")
-                 for (_, text, note), rs in sorted(groups.items())]
-        by_note: dict[str, list[int]] = {}
-        for note, r in silent:
-            by_note.setdefault(note, []).append(r)
-        parts += [f"{_ranks(rs)}: {note}, position unknown" for note, rs in by_note.items()]
+        parts = []
+        for (_, text, note), rs in sorted(groups.items()):
+            waits = [w for r in rs if (w := self._waited(r)) is not None and w >= 0.1]
+            if waits:
+                text += f" for {max(waits):.1f} s"
+            parts.append(f"{_ranks(rs)} {'is' if len(rs) == 1 else 'are'} {text}"
+                         + (f", {_plural(note, len(rs))}" if note else ""))
+        parts += [f"{_ranks(rs)}: {note}, position unknown" for note, rs in silent.items()]
         return "; ".join(parts)
 
     def _waited(self, r: int) -> float | None:
@@ -356,8 +359,9 @@ def _plural(note: str, count: int) -> str:
 
 
 def _failed_exit(fact: dict[str, Any]) -> bool:
-    """A launcher saw this rank end other than with exit code 0."""
-    return fact.get("state") == "exited" and fact.get("returncode", -1) != 0
+    """A launcher saw this rank end other than with exit code 0, and not by its own doing."""
+    return fact.get("state") == "exited" and fact.get("returncode", -1) != 0 \
+        and not fact.get("stopped_by_launcher")
 
 
 def _compatible(a: dict[str, Any], b: dict[str, Any]) -> bool:

@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import json
 import os
+import signal
 import subprocess
 import sys
 import time
@@ -36,20 +37,23 @@ def process_state(pid: int | None) -> str:
     return {"T": "stopped", "t": "stopped", "Z": "gone", "X": "gone"}.get(state, "running")
 
 
-def facts(ranks: list[RankProcess], exits: dict[int, Exit], start: float) -> dict[str, Any]:
-    """What the launcher knows of each of its ranks, as the doctor reads it."""
+def facts(ranks: list[RankProcess], exits: dict[int, Exit], start: float,
+          sent: dict[int, int]) -> dict[str, Any]:
+    """What the launcher knows of each of its ranks, as the doctor reads it; ``sent``: the
+    signal the launcher itself sent a rank (its end is then the launcher's doing)."""
     out: dict[str, Any] = {}
     wall = time.time() - time.monotonic()  # monotonic -> epoch seconds
     for proc in ranks:
         ended = exits.get(proc.rank)
         if ended is not None:
-            out[str(proc.rank)] = {"pid": proc.pid, "state": "exited",
-                                   "returncode": ended.returncode,
-                                   "how": report.describe(ended.returncode),
-                                   "time": round(ended.time + wall, 3),
-                                   "after_s": round(ended.time - start, 2)}
+            fact = {"pid": proc.pid, "state": "exited", "returncode": ended.returncode,
+                    "how": report.describe(ended.returncode),
+                    "time": round(ended.time + wall, 3), "after_s": round(ended.time - start, 2)}
         else:
-            out[str(proc.rank)] = {"pid": proc.pid, "state": process_state(proc.pid)}
+            fact = {"pid": proc.pid, "state": process_state(proc.pid)}
+        if proc.rank in sent:
+            fact["stopped_by_launcher"] = signal.Signals(sent[proc.rank]).name
+        out[str(proc.rank)] = fact
     return {"ranks": out}
 
 

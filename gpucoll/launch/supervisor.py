@@ -145,7 +145,7 @@ class Job:
 
     def _on_signal(self, event: Received) -> None:
         if event.signum == DIAGNOSE:
-            self._note(f"received SIGUSR1: asking gpucoll doctor about the job\n"
+            self._note(f"gpucoll run: received SIGUSR1: asking gpucoll doctor about the job\n"
                        f"{self._checkup()}", raw=True)
             return
         if (self.interrupt is not None and event.signum == signal.SIGINT
@@ -188,7 +188,7 @@ class Job:
         the job answers through)."""
         if self.cfg.node_rank != 0:
             return "gpucoll run: the diagnosis is node 0's (its launcher hosts the job's store)"
-        known = checkup.facts(self.ranks, self.exits, self.start)
+        known = checkup.facts(self.ranks, self.exits, self.start, self.sent)
         return checkup.run_doctor(self.store_url, self.token, self.trace_dir, known)
 
     def _running(self) -> list[RankProcess]:
@@ -267,8 +267,9 @@ class Job:
         dumps = [f for f in os.listdir(self.trace_dir) if f.endswith(".trace.jsonl")] \
             if os.path.isdir(self.trace_dir) else []
         if dumps:
-            checkup.save_facts(self.trace_dir, checkup.facts(self.ranks, self.exits,
-                                                             self.start))
+            if not self.diagnosis:  # else keep what the launcher knew when the job hung
+                checkup.save_facts(self.trace_dir, checkup.facts(self.ranks, self.exits,
+                                                                 self.start, self.sent))
             self._note(f"flight recorders of {len(dumps)} rank(s) in {self.trace_dir}; "
                        f"`gpucoll doctor {self.trace_dir}` reads them")
 
