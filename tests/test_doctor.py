@@ -388,6 +388,18 @@ def test_the_doctor_of_an_empty_store_says_no_rank_answered(store_addr, capsys):
     assert code == 2 and "no rank of job 'anonymous' answered" in out
 
 
+def test_garbage_in_the_store_is_left_out_not_trusted(store_server, store_addr, capsys):
+    slot = "gpucoll/jobs/anonymous/0"
+    store_server.multi_set([f"{slot}/size", f"{slot}/member/0", f"{slot}/trace/0",
+                            f"{slot}/trace/1", "gpucoll/jobs/anonymous/1/size"],
+                           ["2", "x", b"\xff not json", json.dumps({"groups": [[{
+                               "type": "group", "group": slot, "rank": "one"}]]}), "many"])
+    code, out = doctor(capsys, store_addr, "--wait", "0.2")
+    assert code == 1, out
+    assert "ranks 0, 1: did not answer" in out
+    assert "(2 answer(s) or summaries in the store were not flight records" in out
+
+
 def test_gpucoll_lists_the_doctor_command():
     proc = subprocess.run([sys.executable, "-m", "gpucoll", "--help"], capture_output=True,
                           text=True, timeout=60)

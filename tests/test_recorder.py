@@ -139,3 +139,14 @@ def test_a_failure_writes_no_file_when_no_directory_is_set(store_addr, tmp_path)
     spawn(_no_dump_without_a_directory, 2, store_addr, check=False,
           env={"GPUCOLL_TRACE_DIR": "", "WORKDIR": str(tmp_path)})
     assert os.listdir(tmp_path) == []
+
+
+def test_a_directory_that_cannot_be_written_is_said_and_nothing_else_breaks(tmp_path, capsys):
+    blocker = tmp_path / "a-file"
+    blocker.write_text("not a directory")
+    with gpucoll.init("ring", rank=0, world_size=1) as comm:
+        comm.barrier()
+        assert write_files(str(blocker), "test") == []
+        comm.barrier()
+    assert f"could not write its flight recorder to {blocker}/rank-0.trace.jsonl" in \
+        capsys.readouterr().err

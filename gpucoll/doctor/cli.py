@@ -78,8 +78,7 @@ def _read(args: argparse.Namespace):
 
         host, port = parse_address(args.source)
         job = args.job or job_id() or "anonymous"
-        with TCPStore(host, port, timeout=max(args.wait, 1.0) + 10.0,
-                      token=args.token) as store:
+        with TCPStore(host, port, timeout=5.0 + max(args.wait, 0.0), token=args.token) as store:
             evidence = ask_store(store, job.replace("/", "_"), args.wait)
         if not evidence.groups:
             raise EvidenceError(f"no rank of job {job!r} answered at {args.source}, and the "
@@ -100,6 +99,9 @@ def _text(evidence, verdicts, timeline: str | None) -> str:
     first = next((v for v in verdicts if v.problem), verdicts[0] if verdicts else None)
     lines = [head] + ([f"  {first.headline}"] if first is not None else []) + [""]
     lines += [v.text(headline=v is not first) for v in verdicts]
+    if evidence.unreadable:
+        lines.append(f"\n({evidence.unreadable} answer(s) or summaries in the store were not "
+                     f"flight records and were left out)")
     if timeline:
         lines.append(f"\ntimeline written to {os.path.abspath(timeline)} (open it in "
                      f"https://ui.perfetto.dev or chrome://tracing)")

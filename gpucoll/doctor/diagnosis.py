@@ -294,14 +294,22 @@ class _Case:
         for r, rec in self.records.items():
             if rec.error:
                 events.append((rec.error.get("time") or rec.taken, r, "error"))
-        for r, fact in self.facts.items():
-            if _failed_exit(fact) and fact.get("time"):
-                events.append((float(fact["time"]) * 1e6, r, "exit"))
-        blamed = {rec.error.get("peer") for rec in self.records.values() if rec.error}
+        # a rank that others' errors name died before them, whenever its launcher saw it end
+        blamed: dict[int, float] = {}
+        for t, r, _ in events:
+            peer = self.records[r].error.get("peer")
+            if isinstance(peer, int) and peer != r:
+                blamed[peer] = min(blamed.get(peer, t), t)
         for r in range(self.g.size):
-            if self.note(r).startswith(("died", "exited")) and r in blamed and \
-                    not any(e[1] == r for e in events):
-                events.append((0.0, r, "death"))  # before the errors that name it
+            fact = self.facts.get(r, {})
+            ended = float(fact["time"]) * 1e6 if _failed_exit(fact) and fact.get("time") \
+                else None
+            if r in self.records and self.records[r].error:
+                continue  # its error says how it failed; its exit followed from it
+            if r in blamed and self.note(r).startswith(("died", "exited")):
+                events.append((min(blamed[r], ended or blamed[r]) - 1, r, "death"))
+            elif ended is not None:
+                events.append((ended, r, "death"))
         if not events:
             return None
         events.sort()
@@ -312,8 +320,7 @@ class _Case:
                     f"{_short(err.get('message', ''))}")
         else:
             p = self.positions.get(r)
-            head = f"rank {r} {self.note(r)}{self._at(t)}" + (
-                f", {p.where()}" if p is not None else "")
+            head = f"rank {r} {self.note(r)}" + (f", {p.where()}" if p is not None else "")
         rest: dict[str, list[int]] = {}
         for _, other, k in events[1:]:
             if k == "error":

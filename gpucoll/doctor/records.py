@@ -102,6 +102,7 @@ class Evidence:
     facts: dict[int, dict[str, Any]] = dataclasses.field(default_factory=dict)
     source: str = ""
     asked_at: float = 0.0  # microseconds since the epoch (live: when the doctor asked)
+    unreadable: int = 0  # answers or summaries in the store that were not records
 
     def add(self, record: RankRecord) -> None:
         group = self.groups.get(record.group)
@@ -177,9 +178,29 @@ def ask_store(store: Any, job: str, wait: float) -> Evidence:
         store.delete_prefix(f"{ask}/")
         store.delete_key(ask)
     for body in bodies:
-        evidence.add_lines(body.get("lines", []), "answer", body)
+        _add_body(evidence, body.get("lines", []), "answer", body)
     _read_slots(store, root, evidence)
     return evidence
+
+
+def _body(value: bytes) -> dict[str, Any]:
+    """An answer or summary from the store; {"unreadable": True} for bytes that are not one
+    (anyone who can write to the store could have put them there)."""
+    try:
+        body = json.loads(value)
+    except ValueError:
+        body = None
+    return body if isinstance(body, dict) else {"unreadable": True}
+
+
+def _add_body(evidence: Evidence, lines: Any, source: str, body: dict[str, Any]) -> None:
+    if body.get("unreadable"):
+        evidence.unreadable += 1
+        return
+    try:
+        evidence.add_lines(lines, source, body)
+    except (KeyError, TypeError, ValueError, AttributeError):
+        evidence.unreadable += 1
 
 
 def _collect_answers(store: Any, ask: str, root: str, evidence: Evidence,
@@ -191,7 +212,7 @@ def _collect_answers(store: Any, ask: str, root: str, evidence: Evidence,
         for i, value in zip(missing, store.peek([f"{ask}/answer/{i}" for i in missing]),
                             strict=True):
             if value is not None:
-                bodies[i] = json.loads(value)
+                bodies[i] = _body(value)
         if time.monotonic() >= deadline or (bodies and _all_accounted(store, bodies.values())):
             return list(bodies.values())
         try:
@@ -225,7 +246,7 @@ def _read_slots(store: Any, root: str, evidence: Evidence) -> None:
     while start < 1 << 12:
         sizes = store.peek([f"{root}/{n}/size" for n in range(start, start + _SCAN)])
         for n, size in enumerate(sizes, start):
-            if size is not None:
+            if size is not None and size.isdigit():
                 slots.setdefault(f"{root}/{n}", int(size))
         if all(s is None for s in sizes):
             break
@@ -234,9 +255,9 @@ def _read_slots(store: Any, root: str, evidence: Evidence) -> None:
         if name.count("/") == 3:  # a job's slot: summaries that failing ranks left there
             for value in store.peek([f"{name}/trace/{r}" for r in range(size)]):
                 if value is not None:
-                    body = json.loads(value)
-                    for lines in body.get("groups", []):
-                        evidence.add_lines(lines, "store summary", body)
+                    body = _body(value)
+                    for lines in body.get("groups", [None]):
+                        _add_body(evidence, lines, "store summary", body)
         group = evidence.groups.get(name)
         if group is None and any(v is not None for v in store.peek([f"{name}/member/0"])):
             group = evidence.groups[name] = Group(name, size)
