@@ -63,7 +63,7 @@ from gpucoll.recorder import (
 )
 from gpucoll.signature import SignatureCheck
 from gpucoll.store.gather import Liveness, agree_survivors, gather, leave_group, wait_for_ranks
-from gpucoll.validation import Call, check_timeout
+from gpucoll.validation import VALID_OPS, Call, check_timeout
 from gpucoll.work import Work
 
 _LIVE: weakref.WeakSet = weakref.WeakSet()  # communicators of this process, for fork handling
@@ -79,7 +79,7 @@ os.register_at_fork(after_in_child=_forked)
 
 def _entry(method: Callable) -> Callable:
     """A public call: refused in a forked child, and while another thread is inside a call."""
-    name = method.__name__
+    name = method.__name__.lstrip("_")
 
     @functools.wraps(method)
     def call(self: Communicator, *args: Any, **kwargs: Any) -> Any:
@@ -144,19 +144,34 @@ class Communicator:
         self._calls: dict[str, Call] = {}
         self._check = SignatureCheck(store, self.rank, self.size, self._liveness) if (
             debug_enabled() if debug is None else debug) else None
+        # the lean path of the common calls on NumPy arrays (not under the debug check)
+        self._lean_backend = backend.lean if self._check is None else None
         self._recorder = Recorder(size_from_env())  # the last calls, for dumps and the doctor
         self._flight = Flight(self._recorder, store, self.rank, self.size, backend)
         _LIVE.add(self)
 
     # -- reductions, in place ---------------------------------------------------------------
 
-    @_entry
     def all_reduce(self, x: Any, op: Any = "sum", *, async_op: bool = False,
                    timeout: float | None = None, stream: Any = None) -> Any:
         """Combine ``x`` over all ranks with ``op``, in place; returns ``x``.
 
         Every rank gets a bit-identical result (a fixed reduction order).
         """
+        if type(x) is np.ndarray and not async_op and timeout is None and stream is None:
+            lean = self._lean_backend
+            try:
+                rop = VALID_OPS.get((op, x.dtype))
+            except TypeError:  # an unhashable op: the general path says what is wrong
+                rop = None
+            if lean is not None and rop is not None and x.flags.writeable and self._lean(
+                    "all_reduce", _ALL_REDUCE, lean.host_all_reduce, x, rop):
+                return x
+        return self._all_reduce(x, op, async_op, timeout, stream)
+
+    @_entry
+    def _all_reduce(self, x: Any, op: Any, async_op: bool, timeout: float | None,
+                    stream: Any) -> Any:
         c = self._call("all_reduce")
         ref = c.array(x, "x", writable=True)
         rop = c.op(op, ref.dtype)
@@ -180,10 +195,21 @@ class Communicator:
         return self._issue(c, seq, lambda: b.reduce(ref, root, rop, timeout=t, stream=stream),
                            x, async_op, stream, ref, x)
 
-    @_entry
     def broadcast(self, x: Any, root: int = 0, *, async_op: bool = False,
                   timeout: float | None = None, stream: Any = None) -> Any:
         """Copy root's ``x`` into every rank's ``x`` (same shape and dtype); returns ``x``."""
+        if (type(x) is np.ndarray and type(root) is int and not async_op and timeout is None
+                and stream is None and 0 <= root < self.size
+                and x.dtype in _LEAN_DTYPES and (x.flags.writeable or root == self.rank)):
+            lean = self._lean_backend
+            if lean is not None and self._lean("broadcast", _BROADCAST, lean.host_broadcast, x,
+                                               root):
+                return x
+        return self._broadcast(x, root, async_op, timeout, stream)
+
+    @_entry
+    def _broadcast(self, x: Any, root: Any, async_op: bool, timeout: float | None,
+                   stream: Any) -> Any:
         c = self._call("broadcast")
         root = c.rank_arg(root, "root")
         ref = c.array(x, "x", writable=self.rank != root)
@@ -525,6 +551,36 @@ class Communicator:
 
     # -- plumbing -----------------------------------------------------------------------------
 
+    def _lean(self, name: str, kind: int, run: Callable, x: np.ndarray, arg: Any) -> bool:
+        """Run a call on a C-contiguous NumPy array whose other arguments are known good, with
+        nothing of the general path's but what it must do: refuse a forked child and a second
+        thread, number the collective, mark it in the progress record and the flight recorder.
+        False (nothing done) when the general path must run, to say what is wrong."""
+        if not x.flags.c_contiguous or self._forked or self._closed \
+                or not self._entry.acquire(False):
+            return False
+        try:
+            self._inside = name
+            seq = self._seq
+            self._seq = seq + 1
+            entry = self._recorder.host_call(seq, name, x, {_LEAN_FIELDS[name]: arg})
+            progress = self._progress
+            entry[STARTED] = clock()
+            progress.enter(seq, kind)
+            try:
+                run(x if x.ndim == 1 else x.reshape(-1), arg, seq, self.timeout)
+            except BaseException as exc:
+                entry[ENDED] = -clock()
+                progress.leave(False)
+                if isinstance(exc, GpucollError):
+                    self._flight.failed(exc)
+                raise
+            progress.leave(True)
+            entry[ENDED] = clock()
+        finally:
+            self._entry.release()
+        return True
+
     def _call(self, name: str) -> Call:
         if self._closed:
             raise ValueError(f"{name} on rank {self.rank} of {self.size}: the communicator is "
@@ -704,6 +760,9 @@ class Communicator:
 
 
 _AGREE_BYTES = 1024
+_ALL_REDUCE, _BROADCAST = KIND["all_reduce"], KIND["broadcast"]
+_LEAN_FIELDS = {"all_reduce": "op", "broadcast": "root"}  # the flight recorder's name of arg
+_LEAN_DTYPES = frozenset(dtype_from_name(n) for n in SUPPORTED_DTYPES if n != "bfloat16")
 _LAYOUT = struct.Struct("<BBB")  # dtype code, array kind, ndim; then ndim int64 extents
 _KINDS = ("host", "device")
 

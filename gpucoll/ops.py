@@ -93,6 +93,40 @@ def host_ufunc(op: ReduceOp) -> np.ufunc:
     return _UFUNCS[op]
 
 
+try:  # NumPy 2: the error state is a context variable, cheap to swap per call
+    from numpy._core.umath import _extobj_contextvar as _FP_STATE
+    from numpy._core.umath import _make_extobj
+except ImportError:  # pragma: no cover - older NumPy
+    _FP_STATE = None
+_quiet_states: dict = {}  # the caller's error state -> the same with over/invalid ignored
+
+
+def fp_quiet() -> object:
+    """Enter ``np.errstate(over="ignore", invalid="ignore")`` for a reduction; returns the token
+    for ``fp_restore``. Overflow to inf (or NaN from inf - inf) is the IEEE answer, as on a GPU,
+    and NumPy's warning about it would point into this package. Building NumPy's error state
+    costs over a microsecond per call, so the quiet variant of each state seen is kept."""
+    if _FP_STATE is None:
+        state = np.errstate(over="ignore", invalid="ignore")
+        state.__enter__()
+        return state
+    current = _FP_STATE.get()
+    quiet = _quiet_states.get(current)
+    if quiet is None:
+        if len(_quiet_states) > 64:  # each np.errstate block of the caller's makes a new state
+            _quiet_states.clear()
+        quiet = _quiet_states[current] = _make_extobj(over="ignore", invalid="ignore")
+    return _FP_STATE.set(quiet)
+
+
+def fp_restore(token: object) -> None:
+    """Leave the error state ``fp_quiet`` entered."""
+    if _FP_STATE is None:
+        token.__exit__(None, None, None)
+    else:
+        _FP_STATE.reset(token)
+
+
 def finish_avg(x: np.ndarray, size: int) -> None:
     """Turn a sum over ``size`` ranks into their mean, in place."""
     np.divide(x, size, out=x, casting="unsafe")

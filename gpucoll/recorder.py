@@ -72,6 +72,13 @@ class Recorder:
         self._keep(entry)
         self.current = entry
 
+    def host_call(self, seq: int, call: str, x: Any, fields: dict[str, Any]) -> list:
+        """As ``collective``, for a NumPy array ``x``; returns the entry."""
+        entry = [seq, call, x.dtype, x.size, fields, -1, 0, 0, 0, 0]
+        self._keep(entry)
+        self.current = entry
+        return entry
+
     def point_to_point(self, call: str, ref: Any, peer: int) -> None:
         """A send or receive with ``peer`` passed its checks: make its entry."""
         entry = [-1, call, ref.dtype, ref.count, _NO_FIELDS, peer, 0, 0, 0, 0]

@@ -14,8 +14,9 @@ from typing import Any
 from gpucoll.arrays import ArrayRef, as_ref, check_dtype, empty_ref
 from gpucoll.ops import ReduceOp, check_op_dtype, parse_op
 
-# (op as passed, dtype) -> ReduceOp, for pairs already found valid: the check is per call
-_checked: dict[tuple[Any, Any], ReduceOp] = {}
+# (op as passed, dtype) -> ReduceOp, for pairs already found valid (the dtype supported too):
+# the check is per call, and the communicator's lean path needs nothing more
+VALID_OPS: dict[tuple[Any, Any], ReduceOp] = {}
 
 
 class Call:
@@ -36,7 +37,7 @@ class Call:
     def op(self, op: Any, dtype) -> ReduceOp:
         """The ReduceOp for ``op``, checked against ``dtype`` (bitwise, avg and order rules)."""
         try:
-            return _checked[op, dtype]
+            return VALID_OPS[op, dtype]
         except (KeyError, TypeError):  # TypeError: an unhashable op, refused below
             pass
         try:
@@ -45,7 +46,7 @@ class Call:
         except ValueError as exc:
             raise self.fail(ValueError, str(exc)) from None
         if isinstance(op, str):
-            _checked[op, dtype] = parsed
+            VALID_OPS[op, dtype] = parsed
         return parsed
 
     def integer(self, value: Any, name: str, *, expected: str = "an int") -> int:

@@ -580,7 +580,10 @@ def _one_rank_stops(rank, n, addr):
     except GpucollError as exc:
         outcome = type(exc).__name__, getattr(exc, "peer", None), str(exc)
     finally:
-        if rank == 0:
+        if rank != victim:
+            side.set(f"raised/{rank}", "1")
+        if rank == 0:  # resume the victim once every survivor has said where the ranks are
+            side.wait([f"raised/{r}" for r in range(n - 1)], timeout=LONG)
             os.kill(int(side.get("victim-pid", timeout=LONG)), signal.SIGCONT)
         try:
             comm.close()

@@ -39,6 +39,10 @@ class Backend(abc.ABC):
 
     rank: int
     size: int
+    # the backend that serves flat NumPy arrays through ``host_all_reduce(x, op, seq, timeout)``
+    # and ``host_broadcast(x, root, seq, timeout)``, the communicator's lean path for the common
+    # calls (None: every call takes the general path)
+    lean: Backend | None = None
 
     @property
     def progress(self) -> Progress:

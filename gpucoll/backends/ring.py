@@ -32,11 +32,12 @@ import numpy as np
 from gpucoll.backends import ring_algos as algos
 from gpucoll.backends.base import Backend
 from gpucoll.errors import CollectiveMismatch, CollectiveTimeout, GpucollError, PeerFailure
-from gpucoll.ops import ReduceOp, finish_avg, host_ufunc
+from gpucoll.ops import ReduceOp, finish_avg, fp_quiet, fp_restore, host_ufunc
 from gpucoll.progress import IN_CALL, KIND, SLOTS, Progress, diagnose, kind_name
 from gpucoll.transport.engine import CORES, Engine, Recv, Send, State
 from gpucoll.transport.mesh import Mesh
 from gpucoll.transport.monitor import Monitor, encode_abort, encode_close
+from gpucoll.transport.shm import WHOLE
 from gpucoll.work import FutureWork
 
 if TYPE_CHECKING:
@@ -108,6 +109,15 @@ class RingBackend(Backend):
                               describe=algos.describe_frame)
         self._monitor = Monitor(rank, self._mesh.control, self._mesh.bell, self._state,
                                 self.progress, self._unconsumed)
+        peers = [link for link in self._mesh.links if link is not None]
+        # every peer on shared memory: calls of at most this many bytes take the small path
+        self._small_bytes = min((link.whole for link in peers), default=WHOLE) \
+            - algos.FRAME.size if all(link.kind == "shm" for link in peers) else -1
+        self._peer_links = tuple(peers)
+
+    @property
+    def lean(self) -> RingBackend:
+        return self
 
     @property
     def local_ranks(self) -> int:
@@ -298,18 +308,18 @@ class RingBackend(Backend):
 
     @staticmethod
     def _finish(op: ReduceOp, size: int) -> Callable | None:
-        if op is ReduceOp.AVG:
+        if op is _AVG:
             return lambda view: finish_avg(view, size)
         return None
 
     # -- collectives -----------------------------------------------------------------------
     def all_reduce(self, x: ArrayRef, op: ReduceOp, *, timeout: float, stream: Any = None) -> None:
-        self._reducing("all_reduce", timeout, self._frame("all_reduce", x.host, op=op),
-                       algos.all_reduce, x.host, host_ufunc(op), self._finish(op, self.size))
+        self._all_reduce(x.host, op, self._frame("all_reduce", x.host, op=op), timeout,
+                         self._name("all_reduce"))
 
     def broadcast(self, x: ArrayRef, root: int, *, timeout: float, stream: Any = None) -> None:
-        self._call("broadcast", timeout, self._frame("broadcast", x.host, root),
-                   algos.broadcast, x.host, root)
+        self._broadcast(x.host, root, self._frame("broadcast", x.host, root), timeout,
+                        self._name("broadcast"))
 
     def reduce(self, x: ArrayRef, root: int, op: ReduceOp, *, timeout: float,
                stream: Any = None) -> None:
@@ -344,6 +354,82 @@ class RingBackend(Backend):
 
     def barrier(self, *, timeout: float) -> None:
         self._call("barrier", timeout, self._frame("barrier", _TOKEN), algos.barrier)
+
+    # -- the lean path: flat host arrays, called between the communicator's progress marks --
+    def host_all_reduce(self, x: np.ndarray, op: ReduceOp, seq: int, timeout: float) -> None:
+        """all_reduce of the flat host array ``x`` as collective ``seq``."""
+        if self._inflight:
+            self.run_sync(_nothing)  # after the asynchronous calls issued before it
+        if self.size == 1 and self._error is None:  # nothing to exchange (x / 1 is x)
+            return
+        self._all_reduce(x, op, algos.frame(_ALL_REDUCE, seq, x.dtype, x.size, -1, op), timeout,
+                         _CallName("all_reduce", _ALL_REDUCE, seq))
+
+    def host_broadcast(self, x: np.ndarray, root: int, seq: int, timeout: float) -> None:
+        """broadcast of the flat host array ``x`` as collective ``seq``."""
+        if self._inflight:
+            self.run_sync(_nothing)
+        if self.size == 1 and self._error is None:
+            return
+        self._broadcast(x, root, algos.frame(_BROADCAST, seq, x.dtype, x.size, root), timeout,
+                        _CallName("broadcast", _BROADCAST, seq))
+
+    def _all_reduce(self, x: np.ndarray, op: ReduceOp, hdr: bytes, timeout: float,
+                    name: _CallName) -> None:
+        """Small messages between ranks on shared memory take a tight path of their own."""
+        if 0 < x.nbytes <= self._small_bytes and self._idle_engine():
+            deadline = time.monotonic() + timeout
+            self._drive_locked(deadline, name,
+                               lambda: self._small_all_reduce(x, op, hdr, deadline, name))
+            return
+        self._reducing("all_reduce", timeout, hdr, algos.all_reduce, x, host_ufunc(op),
+                       self._finish(op, self.size))
+
+    def _broadcast(self, x: np.ndarray, root: int, hdr: bytes, timeout: float,
+                   name: _CallName) -> None:
+        if 0 < x.nbytes <= self._small_bytes and self._idle_engine():
+            deadline = time.monotonic() + timeout
+            self._drive_locked(deadline, name,
+                               lambda: self._small_broadcast(x, root, hdr, deadline, name))
+            return
+        self._call("broadcast", timeout, hdr, algos.broadcast, x, root)
+
+    def _idle_engine(self) -> bool:
+        """Nothing else is posted, and the backend has not failed or closed (the general
+        path reports those)."""
+        engine = self._engine
+        return not (engine.active or engine.inbox or self._error is not None
+                    or self._state.failure is not None or self._closed)
+
+    def _small_all_reduce(self, x: np.ndarray, op: ReduceOp, hdr: bytes, deadline: float,
+                          name: _CallName) -> None:
+        """Every rank puts ``x`` in every peer's ring and folds what it finds in its own, in
+        rank order, reading the peers' values where they lie."""
+        links = self._peer_links
+        views = self._engine.swap_small(links, links, _bytes(x), hdr, deadline, name)
+        token = fp_quiet()
+        try:
+            dtype = x.dtype
+            algos.fold_in_rank_order(self.rank, x, {link.peer: v.view(dtype)
+                                                    for link, v in zip(links, views, strict=True)},
+                                     host_ufunc(op))
+            if op is _AVG:
+                finish_avg(x, self.size)
+        finally:
+            fp_restore(token)
+        for link in links:
+            link.release(x.nbytes + algos.FRAME.size)
+
+    def _small_broadcast(self, x: np.ndarray, root: int, hdr: bytes, deadline: float,
+                         name: _CallName) -> None:
+        engine = self._engine
+        if self.rank == root:
+            engine.swap_small(self._peer_links, (), _bytes(x), hdr, deadline, name)
+            return
+        link = self._mesh.links[root]
+        view, = engine.swap_small((), (link,), _bytes(x), hdr, deadline, name)
+        np.copyto(x, view.view(x.dtype))
+        link.release(x.nbytes + algos.FRAME.size)
 
     # -- point to point --------------------------------------------------------------------
     def _message(self, x: ArrayRef, peer: int, sending: bool):
@@ -658,6 +744,17 @@ class RingBackend(Backend):
 
 
 _TOKEN = np.zeros(1, np.uint8)
+_ALL_REDUCE, _BROADCAST = KIND["all_reduce"], KIND["broadcast"]
+_AVG = ReduceOp.AVG  # (an enum member read from its class costs 0.2 us)
+
+
+def _bytes(x: np.ndarray) -> memoryview:
+    """The bytes of a flat array (a memoryview cast is cheaper than ``x.view(np.uint8)``, but
+    not every dtype exports a buffer format that casts)."""
+    try:
+        return memoryview(x).cast("B")
+    except (TypeError, ValueError):
+        return memoryview(x.view(np.uint8))
 
 
 def _nothing() -> None:

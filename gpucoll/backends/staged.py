@@ -51,6 +51,7 @@ class StagedBackend(Backend):
         self.name, self.rank, self.size = inner.name, inner.rank, inner.size
         self._pair: list[_Pinned] | None = None
         self._local = threading.local()  # the issuing thread's current stream, for async calls
+        self.lean = getattr(inner, "lean", None)  # host arrays pass straight through
 
     @property
     def progress(self):

@@ -328,13 +328,20 @@ class Engine:
         posted non-blocking messages meanwhile."""
         if self.inbox:
             self._take_inbox()
-        if not self.active and self._alone(ops, deadline, opname):
-            return
-        batch = [len(ops)]
-        for op in ops:
-            op.deadline, op.opname, op.batch = deadline, opname, batch
-            self._post(op)
-        self._drive(lambda: batch[0] > 0, deadline)
+        if self.active or not self._alone(ops, deadline, opname):
+            batch = [len(ops)]
+            for op in ops:
+                op.deadline, op.opname, op.batch = deadline, opname, batch
+                self._post(op)
+            self._drive(lambda: batch[0] > 0, deadline)
+        self._check_failure(opname)
+
+    def _check_failure(self, opname: str) -> None:
+        """A failure recorded while the messages moved (an abort, say, after a second thread
+        used the communicator) ends the call too, even though its data came: that data may
+        belong to calls that do not match."""
+        if self.state.failure is not None:
+            raise self._in_op(self.state.failure, opname)
 
     def _alone(self, ops: Sequence[Op], deadline: float, opname: str) -> bool:
         """The common case, every op of one call on a link and direction of its own with
@@ -363,7 +370,7 @@ class Engine:
             except PeerFailure as exc:
                 raise self._in_op(self._root_cause(exc, op.deadline), op.opname) from None
             except FrameMismatch as exc:
-                raise self._mismatch(exc, op) from None
+                raise self._mismatch(exc, op.opname) from None
             if moved:
                 for op in [op for op in active if op.off >= op.nbytes]:
                     active.remove(op)
@@ -382,6 +389,94 @@ class Engine:
             else:
                 idle_since = self._idle(idle_since, deadline)
         return True
+
+    # -- small messages on shared memory --------------------------------------------------
+    def swap_small(self, send_to: Sequence, recv_from: Sequence, mv: memoryview, hdr: bytes,
+                   deadline: float, opname: str) -> list[np.ndarray]:
+        """Put ``hdr`` + ``mv`` whole on the shared-memory links ``send_to`` and wait for a
+        message of the same size and header on each of ``recv_from``; returns their payloads,
+        in order, as uint8 views of the rings, valid until ``release_small``. The caller knows
+        that nothing else is posted and that every message fits a ring whole (``fits_whole``):
+        the tight loop of the latency-bound calls, without the general engine's bookkeeping."""
+        state = self.state
+        nbytes = len(mv) + FRAME_BYTES
+        for link in send_to:
+            if link.peer in state.closed_peers or link.peer in state.ended:
+                raise self._gone_peer(link.peer, True, nbytes, opname)
+            link.begin(True, nbytes)
+        for link in recv_from:
+            link.begin(False, nbytes)
+        unsent, waiting = list(send_to), list(recv_from)
+        views: list = [None] * len(waiting)
+        idle_since = 0.0
+        while True:
+            moved = False
+            if unsent:
+                for link in tuple(unsent):
+                    if link.put(hdr, mv):
+                        unsent.remove(link)
+                        moved = True
+            for i, link in enumerate(recv_from):
+                if views[i] is None:
+                    view = link.peek(nbytes)
+                    if view is None:
+                        head = link.peek(FRAME_BYTES)
+                        if head is not None and head.data != hdr:
+                            raise self._mismatch(FrameMismatch(link.peer, head.tobytes(), hdr),
+                                                 opname)
+                        continue
+                    if view[:FRAME_BYTES].data != hdr:
+                        raise self._mismatch(FrameMismatch(link.peer, view[:FRAME_BYTES].tobytes(),
+                                                           hdr), opname)
+                    views[i] = view[FRAME_BYTES:]
+                    waiting.remove(link)
+                    moved = True
+            if not (unsent or waiting):
+                self._check_failure(opname)
+                return views
+            if moved:
+                idle_since = 0.0
+                continue
+            idle_since = self._idle_small(idle_since, deadline, unsent, waiting, nbytes, opname)
+
+    def _idle_small(self, idle_since: float, deadline: float, unsent: list, waiting: list,
+                    nbytes: int, opname: str) -> float:
+        """``_idle`` for ``swap_small``: the same failure, deadline and back-off rules."""
+        if self.state.failure is not None:
+            raise self._in_op(self.state.failure, opname)
+        now = time.monotonic()
+        if now >= deadline:
+            link, verb = (waiting[0], "receive from") if waiting else (unsent[0], "send to")
+            raise CollectiveTimeout(f"{opname} on rank {self.rank} timed out: waiting to "
+                                    f"{verb} rank {link.peer} (0 of {nbytes - FRAME_BYTES} "
+                                    f"bytes done)")
+
+        def sleep(deadline: float) -> None:
+            for link in unsent:
+                link.sleep_flags(True, False, 1)
+            for link in waiting:
+                link.sleep_flags(False, True, 1)
+            try:
+                if any(link.can_put(nbytes) for link in unsent) or any(
+                        link.peek(nbytes) is not None for link in waiting):
+                    return
+                closed = self.state.closed_peers
+                for link in unsent:
+                    if link.peer in closed:
+                        raise self._gone_peer(link.peer, True, nbytes, opname)
+                for link in waiting:
+                    if link.peer in closed:
+                        raise self._gone_peer(link.peer, False, nbytes, opname)
+                wait_ms = min(NAP_MS, max((deadline - time.monotonic()) * 1000, 0))
+                if self.poller.poll(wait_ms):
+                    self._drain_bell()
+            finally:
+                for link in unsent:
+                    link.sleep_flags(True, False, 0)
+                for link in waiting:
+                    link.sleep_flags(False, True, 0)
+
+        return self._back_off(idle_since, now, sleep, deadline)
 
     def drive(self, stop) -> None:
         """Move non-blocking messages until none is left or ``stop()`` says to yield."""
@@ -405,7 +500,7 @@ class Engine:
             except PeerFailure as exc:
                 raise self._in_op(self._root_cause(exc, op.deadline), op.opname) from None
             except FrameMismatch as exc:
-                raise self._mismatch(exc, op) from None
+                raise self._mismatch(exc, op.opname) from None
             if moved:
                 done = [op for op in active if op.off >= op.nbytes]
                 if done:
@@ -460,6 +555,10 @@ class Engine:
         expired = self._expired(now, deadline)
         if expired is not None:
             raise self._timeout(expired)
+        return self._back_off(idle_since, now, self._sleep, deadline)
+
+    def _back_off(self, idle_since: float, now: float, sleep, deadline: float | None) -> float:
+        """Spin, then yield the core (when cores are short), then ``sleep(deadline)``."""
         if not idle_since:
             self._watch_load(now)
             return now
@@ -469,7 +568,7 @@ class Engine:
         elif idle < self.yield_s:
             os.sched_yield()
         else:
-            self._sleep(deadline)
+            sleep(deadline)
         return idle_since
 
     def _expired(self, now: float, deadline: float | None) -> Op | None:
@@ -521,15 +620,17 @@ class Engine:
                 raise self._gone(op)
 
     def _gone(self, op: Op) -> PeerFailure:
-        peer = op.link.peer
+        return self._gone_peer(op.link.peer, op.sending, op.nbytes, op.opname)
+
+    def _gone_peer(self, peer: int, sending: bool, nbytes: int, opname: str) -> PeerFailure:
         why = "closed its communicator" if peer in self.state.closed_peers else \
             "is gone (its connection ended)"
-        if op.sending:
-            what = f"this rank's message to it ({op.nbytes - FRAME_BYTES} bytes) cannot be " \
+        if sending:
+            what = f"this rank's message to it ({nbytes - FRAME_BYTES} bytes) cannot be " \
                    f"delivered"
         else:
             what = "this rank still expected data from it"
-        return PeerFailure(f"{op.opname} on rank {self.rank}: rank {peer} {why}, and {what}",
+        return PeerFailure(f"{opname} on rank {self.rank}: rank {peer} {why}, and {what}",
                            peer=peer)
 
     def _check_delivered(self, op: Op) -> None:
@@ -568,9 +669,9 @@ class Engine:
         error.peer = failure.peer
         return error
 
-    def _mismatch(self, exc: FrameMismatch, op: Op) -> CollectiveMismatch:
+    def _mismatch(self, exc: FrameMismatch, opname: str) -> CollectiveMismatch:
         return CollectiveMismatch(
-            f"{op.opname} on rank {self.rank}: ranks disagree: rank {exc.peer} sent a message of "
+            f"{opname} on rank {self.rank}: ranks disagree: rank {exc.peer} sent a message of "
             f"{self.describe(exc.got)} where this rank expects one of "
             f"{self.describe(exc.expected)}")
 
