@@ -223,8 +223,16 @@ def recorder_cases() -> list[tuple[str, Any]]:
         entry[STARTED] = clock()
         entry[ENDED] = clock()
 
+    host = np.zeros(1024, np.float32)
+
+    def host_call() -> None:  # the lean path of all_reduce and broadcast on NumPy arrays
+        entry = rec.host_call(7, "all_reduce", host, -1, ReduceOp.SUM)
+        entry[STARTED] = clock()
+        entry[ENDED] = clock()
+
     return [("recorder: a collective's entry and times", collective),
             ("recorder: a send's entry and times", point_to_point),
+            ("recorder: a NumPy all_reduce's (lean path)", host_call),
             ("(an empty call: the timing loop's own cost)", lambda: None)]
 
 

@@ -563,7 +563,10 @@ class Communicator:
             self._inside = name
             seq = self._seq
             self._seq = seq + 1
-            entry = self._recorder.host_call(seq, name, x, {_LEAN_FIELDS[name]: arg})
+            if kind == _ALL_REDUCE:  # arg: the op; else broadcast's root
+                entry = self._recorder.host_call(seq, name, x, -1, arg)
+            else:
+                entry = self._recorder.host_call(seq, name, x, arg, None)
             progress = self._progress
             entry[STARTED] = clock()
             progress.enter(seq, kind)
@@ -761,7 +764,6 @@ class Communicator:
 
 _AGREE_BYTES = 1024
 _ALL_REDUCE, _BROADCAST = KIND["all_reduce"], KIND["broadcast"]
-_LEAN_FIELDS = {"all_reduce": "op", "broadcast": "root"}  # the flight recorder's name of arg
 _LEAN_DTYPES = frozenset(dtype_from_name(n) for n in SUPPORTED_DTYPES if n != "bfloat16")
 _LAYOUT = struct.Struct("<BBB")  # dtype code, array kind, ndim; then ndim int64 extents
 _KINDS = ("host", "device")

@@ -23,12 +23,11 @@ DEFAULT_SIZE = 2000
 SIZE_VARIABLE = "GPUCOLL_TRACE_SIZE"
 MAX_SIZE = 1 << 20
 
-# fields of an entry: the call's own objects (its name, a dtype, the signature's dict of root
-# and op) are kept by reference, which costs nothing; they become words only in ``record``
-SEQ, CALL, DTYPE, COUNT, FIELDS, PEER, STREAM, QUEUED, STARTED, ENDED = range(10)
+# fields of an entry: the call's own objects (its name, a dtype, a ReduceOp) are kept by
+# reference, which costs nothing; they become words only in ``record``
+SEQ, CALL, DTYPE, COUNT, ROOT, OP, PEER, STREAM, QUEUED, STARTED, ENDED = range(11)
 
 clock = time.monotonic_ns  # the one clock read per event
-_NO_FIELDS: dict[str, Any] = {}
 
 
 def size_from_env(environ: Any = None) -> int:
@@ -63,25 +62,27 @@ class Recorder:
 
     def collective(self, seq: int, call: str, ref: Any, fields: dict[str, Any]) -> None:
         """Collective ``seq``, a ``call`` (its name), passed its checks: make its entry.
-        ``ref``: its array (or None); ``fields``: its signature's other fields (``root``,
-        ``op``), not copied."""
+        ``ref``: its array (or None); ``fields``: its signature's ``root`` and ``op``."""
         if ref is None:
-            entry = [seq, call, None, -1, fields, -1, 0, 0, 0, 0]
+            entry = [seq, call, None, -1, fields.get("root", -1), fields.get("op"), -1, 0, 0, 0,
+                     0]
         else:
-            entry = [seq, call, ref.dtype, ref.count, fields, -1, 0, 0, 0, 0]
+            entry = [seq, call, ref.dtype, ref.count, fields.get("root", -1), fields.get("op"),
+                     -1, 0, 0, 0, 0]
         self._keep(entry)
         self.current = entry
 
-    def host_call(self, seq: int, call: str, x: Any, fields: dict[str, Any]) -> list:
-        """As ``collective``, for a NumPy array ``x``; returns the entry."""
-        entry = [seq, call, x.dtype, x.size, fields, -1, 0, 0, 0, 0]
+    def host_call(self, seq: int, call: str, x: Any, root: int, op: Any) -> list:
+        """As ``collective``, for a NumPy array ``x`` (``root`` -1 and ``op`` None where the
+        call has none); returns the entry."""
+        entry = [seq, call, x.dtype, x.size, root, op, -1, 0, 0, 0, 0]
         self._keep(entry)
         self.current = entry
         return entry
 
     def point_to_point(self, call: str, ref: Any, peer: int) -> None:
         """A send or receive with ``peer`` passed its checks: make its entry."""
-        entry = [-1, call, ref.dtype, ref.count, _NO_FIELDS, peer, 0, 0, 0, 0]
+        entry = [-1, call, ref.dtype, ref.count, -1, None, peer, 0, 0, 0, 0]
         self._keep(entry)
         self.current = entry
 
@@ -95,7 +96,7 @@ class Recorder:
 
 
 def _blank() -> list:
-    return [-1, "", None, -1, _NO_FIELDS, -1, 0, 0, 0, 0]
+    return [-1, "", None, -1, -1, None, -1, 0, 0, 0, 0]
 
 
 def record(entry: list, wall_offset: int) -> dict[str, Any]:
@@ -110,13 +111,12 @@ def record(entry: list, wall_offset: int) -> dict[str, Any]:
     else:
         state = "running" if not ended else "done" if ended > 0 else "failed"
     out: dict[str, Any] = {"call": name, "seq": entry[SEQ]}
-    dtype, fields = entry[DTYPE], entry[FIELDS]
+    dtype, root, op = entry[DTYPE], entry[ROOT], entry[OP]
     if dtype is not None:
         out["dtype"] = getattr(dtype, "name", str(dtype))
     if entry[COUNT] >= 0:
         out["count"] = entry[COUNT]
-    root, op = fields.get("root"), fields.get("op")
-    if isinstance(root, int):
+    if isinstance(root, int) and root >= 0:
         out["root"] = root
     if op is not None:
         out["op"] = getattr(op, "value", str(op))

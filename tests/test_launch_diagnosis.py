@@ -81,7 +81,7 @@ def test_a_timed_out_job_gets_the_doctors_diagnosis_under_the_ranks_output(launc
 
 def test_sigusr1_to_the_launcher_prints_a_diagnosis_and_the_job_goes_on(launch, tmp_path):
     script = write_script(tmp_path, IDLE)
-    job = launch(["-n", "2", "--timeout", "150", script])
+    job = launch(["-n", "2", "--timeout", "150", script], env={"TMPDIR": str(tmp_path)})
     job.wait_for_lines(r"\] idle$", 2)
     job.send(signal.SIGUSR1)
     found = job.wait_for_lines(r"no problem found: ranks", 1, stream="stderr")
@@ -131,7 +131,7 @@ def test_keep_going_lets_the_survivors_finish_and_the_job_succeed(launch, tmp_pa
 def test_keep_going_still_fails_the_job_when_a_survivor_exits_with_an_error(launch, tmp_path):
     script = write_script(tmp_path, KILLED)
     job = launch(["-n", "3", "--keep-going", "--timeout", "100", script],
-                 env={"EXIT_CODE": "3"})
+                 env={"EXIT_CODE": "3", "TMPDIR": str(tmp_path)})
     assert job.finish(timeout=120) == 3, job.text()
 
 

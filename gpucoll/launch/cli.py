@@ -23,7 +23,8 @@ Output lines are prefixed "[rank R] ". When a rank fails the others are stopped 
 exits with the failed rank's code (128+N for signal N); 124 when --timeout passes. With
 --keep-going the others go on; see docs/launcher.md for the exit status then.
 Ranks write their flight-recorder dumps to GPUCOLL_TRACE_DIR: the --tee directory, else the
-variable's value, else a temporary directory the launcher names if anything was written. When
+variable's value, else a new directory under the temporary one, named at the end if a rank
+wrote there. When
 --timeout passes, and when the launcher gets SIGUSR1, it runs `gpucoll doctor` on the job and
 prints the diagnosis.
 

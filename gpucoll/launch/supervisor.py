@@ -17,7 +17,7 @@ from __future__ import annotations
 import dataclasses
 import os
 import queue
-import shutil
+import secrets
 import signal
 import sys
 import tempfile
@@ -69,7 +69,6 @@ class Job:
         self.store_url = ""
         self.token = ""
         self.trace_dir = ""
-        self.own_trace_dir = False  # made by the launcher: removed at the end when empty
         self.diagnosis = ""  # the doctor's report when --timeout passed
 
     # ---- start -------------------------------------------------------------------------
@@ -80,8 +79,9 @@ class Job:
             os.makedirs(self.cfg.tee, exist_ok=True)
         self.store_url, self.token = store_url(*store), token
         self.trace_dir = self.cfg.tee or os.environ.get("GPUCOLL_TRACE_DIR") or ""
-        if not self.trace_dir:
-            self.trace_dir, self.own_trace_dir = tempfile.mkdtemp(prefix="gpucoll-run-"), True
+        if not self.trace_dir:  # a name only: the first rank that writes a dump makes it
+            self.trace_dir = os.path.join(tempfile.gettempdir(),
+                                          f"gpucoll-run-{os.getpid()}-{secrets.token_hex(4)}")
         self.start = time.monotonic()
         if self.cfg.timeout is not None:
             self.deadlines.job = self.start + self.cfg.timeout
@@ -212,13 +212,6 @@ class Job:
                 except Exception:  # noqa: BLE001 - best effort on the way out
                     pass
             proc.output.join(OUTPUT_DRAIN)
-        self._tidy_trace_dir()
-
-    def _tidy_trace_dir(self) -> None:
-        """Remove the trace directory the launcher made if no rank wrote to it."""
-        if self.own_trace_dir and os.path.isdir(self.trace_dir) and \
-                not os.listdir(self.trace_dir):
-            shutil.rmtree(self.trace_dir, ignore_errors=True)
 
     def _finish(self) -> int:
         self.cleanup()
