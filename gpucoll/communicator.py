@@ -8,6 +8,10 @@ on every message, so ranks that disagree are caught). Sync calls run on the call
 calls with ``async_op=True`` return a ``Work`` and complete in issue order, except non-blocking
 sends and receives, which progress side by side.
 
+Every call also gets an entry in the communicator's flight recorder (``gpucoll.recorder``), which
+``gpucoll.dumps`` writes out when the group fails, on SIGUSR1, or when ``gpucoll doctor`` asks.
+After a lost rank, ``shrink()`` makes a communicator of the survivors.
+
 A communicator serves one thread at a time, in the process that made it: a call from a second
 thread while another is inside a call, or any call in a forked child, raises ``UsageError`` (the
 first also aborts the communicator on every rank, since the two threads' calls could pair with

@@ -184,6 +184,10 @@ def test_ranks_that_disagree_are_named_on_each_side(store_addr, tmp_path, capsys
     assert out.splitlines()[1] == (f"  ranks disagree on collective #{seq}: ranks 0, 2 called "
                                    f"all_reduce(float32, 4 elements, op=sum); {odd}"), out
     assert f"diverged:     #{seq}: the ranks called different collectives" in out
+    code, out = doctor(capsys, str(tmp_path), "--json")
+    verdict, = json.loads(out)
+    assert code == 1 and verdict["problem"] and verdict["size"] == 3
+    assert verdict["details"]["mismatch"].endswith(odd)
 
 
 # -- a killed rank -------------------------------------------------------------------------------

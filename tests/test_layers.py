@@ -2,7 +2,7 @@
 
 Data flows down, never back up::
 
-    cli (gpucoll cli, info, bench)  >  launch  >  communicator  >  backends  >  transport
+    cli (gpucoll cli, info, bench, doctor)  >  launch  >  communicator  >  backends  >  transport
       >  store (with rendezvous, the store's bootstrap)  >  leaf utilities
 
 A module may import its own layer and the layers below it. Leaf utilities (errors, ops, arrays,
