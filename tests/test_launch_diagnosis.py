@@ -135,6 +135,17 @@ def test_keep_going_still_fails_the_job_when_a_survivor_exits_with_an_error(laun
     assert job.finish(timeout=120) == 3, job.text()
 
 
+def test_a_job_clears_the_dumps_an_earlier_job_left_in_its_directory(launch, tmp_path):
+    tee = tmp_path / "logs"
+    tee.mkdir()
+    for name in ("rank-5.trace.jsonl", "launcher.json", "notes.txt"):
+        (tee / name).write_text("{}")
+    script = write_script(tmp_path, "print('ok')")
+    job = launch(["-n", "1", "--tee", str(tee), script])
+    assert job.finish(timeout=60) == 0, job.text()
+    assert sorted(os.listdir(tee)) == ["notes.txt", "rank-0.log"]
+
+
 def test_a_clean_job_leaves_no_trace_directory_behind(launch, tmp_path):
     script = write_script(tmp_path, """
         import gpucoll, numpy as np

@@ -57,6 +57,20 @@ def facts(ranks: list[RankProcess], exits: dict[int, Exit], start: float,
     return {"ranks": out}
 
 
+def clear_dumps(trace_dir: str) -> None:
+    """Remove the dumps and facts an earlier job left in ``trace_dir`` (and nothing else)."""
+    try:
+        names = os.listdir(trace_dir)
+    except OSError:
+        return
+    for name in names:
+        if name == FACTS_FILE or (name.startswith("rank-") and name.endswith(".trace.jsonl")):
+            try:
+                os.unlink(os.path.join(trace_dir, name))
+            except OSError:
+                pass
+
+
 def save_facts(trace_dir: str, known: dict[str, Any]) -> str:
     """Write ``known`` (see ``facts``) where ``gpucoll doctor DIR`` finds it; its path."""
     path = os.path.join(trace_dir, FACTS_FILE)

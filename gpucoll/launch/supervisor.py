@@ -82,6 +82,7 @@ class Job:
         if not self.trace_dir:  # a name only: the first rank that writes a dump makes it
             self.trace_dir = os.path.join(tempfile.gettempdir(),
                                           f"gpucoll-run-{os.getpid()}-{secrets.token_hex(4)}")
+        checkup.clear_dumps(self.trace_dir)  # an earlier job's would mix with this one's
         self.start = time.monotonic()
         if self.cfg.timeout is not None:
             self.deadlines.job = self.start + self.cfg.timeout
