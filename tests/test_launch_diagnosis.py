@@ -55,7 +55,7 @@ def launch(tmp_path):
 def test_a_timed_out_job_gets_the_doctors_diagnosis_under_the_ranks_output(launch, tmp_path):
     script = write_script(tmp_path, HANG)
     tee = tmp_path / "logs"
-    job = launch(["-n", "3", "--timeout", "20", "--grace", "1", "--tee", str(tee), script])
+    job = launch(["-n", "3", "--timeout", "30", "--grace", "1", "--tee", str(tee), script])
     assert job.finish(timeout=120) == 124, job.text()
     err = job.err()
     _, diagnosis = err.split("what gpucoll doctor found when the job timed out:\n", 1)

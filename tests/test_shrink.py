@@ -9,7 +9,6 @@ from __future__ import annotations
 
 import os
 import signal
-import threading
 
 import numpy as np
 import pytest
@@ -81,15 +80,15 @@ def test_the_survivors_form_a_group_renumbered_in_order(store_addr, transport):
 
 def _second_death(rank, n, addr, when):
     """Rank 3 dies; then rank 2 dies too: ``before`` the survivors agree (it never calls
-    shrink), or ``after`` (it is inside shrink, in the agreed group, when it dies)."""
-    side = _side(addr)
+    shrink), or ``after`` (it took part in their agreement, and dies before the group forms)."""
+    from gpucoll.store.gather import agree_survivors
+
     comm = _open(rank, n, addr)
     _lose(comm, victim=3)
     if rank == 2 and when == "before":
         os.kill(os.getpid(), signal.SIGKILL)
-    if rank == 2 and when == "after":
-        threading.Thread(target=comm.shrink, daemon=True).start()
-        side.wait([f"{SLOT}/shrink/0/0/members"], timeout=LONG)
+    if rank == 2 and when == "after":  # shrink's first step, as comm.shrink() takes it
+        agree_survivors(comm._store, rank, n, comm._liveness, LONG, attempt="shrink/0/0")
         os.kill(os.getpid(), signal.SIGKILL)
     new = comm.shrink()
     try:
