@@ -91,15 +91,19 @@ def test_sigusr1_to_the_launcher_prints_a_diagnosis_and_the_job_goes_on(launch, 
     assert "received SIGUSR1: asking gpucoll doctor about the job" in job.err()
 
 
+# Rank 1 dies once every rank has said (a file) that its first all_reduce is done.
 KILLED = """
-    import os, signal, sys
+    import os, signal, sys, time
     import numpy as np
     import gpucoll
     comm = gpucoll.init("ring", timeout=60)
     x = np.ones(4)
     comm.all_reduce(x)
     if comm.rank == 1:
+        while not all(os.path.exists(f"done-{r}") for r in (0, 2)):
+            time.sleep(0.01)
         os.kill(os.getpid(), signal.SIGKILL)
+    open(f"done-{comm.rank}", "w").close()
     try:
         comm.all_reduce(x)
     except gpucoll.PeerFailure:

@@ -34,12 +34,18 @@ def _open(rank: int, n: int, addr: str):
     return gpucoll.init("ring", rank=rank, world_size=n, store=addr, timeout=LONG)
 
 
-def _lose(comm, victim: int) -> None:
-    """One all_reduce everyone finishes; then ``victim`` dies and the others' next call fails."""
+def _lose(comm, victim: int, addr: str) -> None:
+    """One all_reduce everyone finishes; then ``victim`` dies and the others' next call fails.
+    The victim dies only once every rank has said its all_reduce is done: a rank that dies
+    right after its own call can make a slower peer's same call fail."""
     x = np.ones(4)
     comm.all_reduce(x)
+    side = _side(addr)
+    key = f"test/lost/{comm.size}-{victim}"
     if comm.rank == victim:
+        side.wait([f"{key}/{r}" for r in range(comm.size) if r != victim], timeout=LONG)
         os.kill(os.getpid(), signal.SIGKILL)
+    side.set(f"{key}/{comm.rank}", "1")
     with pytest.raises(PeerFailure):
         comm.all_reduce(x)
 
@@ -57,7 +63,7 @@ def _check_group(comm, old_rank: int) -> dict:
 
 def _middle_rank_dies(rank, n, addr):
     comm = _open(rank, n, addr)
-    _lose(comm, victim=1)
+    _lose(comm, 1, addr)
     new = comm.shrink()
     try:
         return _check_group(new, rank)
@@ -84,7 +90,7 @@ def _second_death(rank, n, addr, when):
     from gpucoll.store.gather import agree_survivors
 
     comm = _open(rank, n, addr)
-    _lose(comm, victim=3)
+    _lose(comm, 3, addr)
     if rank == 2 and when == "before":
         os.kill(os.getpid(), signal.SIGKILL)
     if rank == 2 and when == "after":  # shrink's first step, as comm.shrink() takes it
@@ -117,7 +123,7 @@ def _comes_late(rank, n, addr):
     short deadline); then it calls shrink and learns it was left out."""
     side = _side(addr)
     comm = _open(rank, n, addr)
-    _lose(comm, victim=3)
+    _lose(comm, 3, addr)
     if rank == 2:
         side.wait(["shrunk/0", "shrunk/1"], timeout=LONG)
         try:
@@ -148,9 +154,9 @@ def test_a_survivor_that_comes_after_the_deadline_is_told_it_was_left_out(store_
 
 def _twice(rank, n, addr):
     first = _open(rank, n, addr)
-    _lose(first, victim=3)
+    _lose(first, 3, addr)
     second = first.shrink()
-    _lose(second, victim=2)  # old rank 2
+    _lose(second, 2, addr)  # old rank 2
     third = second.shrink()
     try:
         return _check_group(third, rank)
