@@ -181,10 +181,10 @@ def test_ranks_that_disagree_are_named_on_each_side(store_addr, tmp_path, capsys
     assert all(outcomes)  # every rank raised CollectiveMismatch
     code, out = doctor(capsys, str(tmp_path))
     assert code == 1, out
-    # rank 0 may not have entered #seq yet when the others' failure reached it
+    # rank 0 or rank 2 may not have entered #seq yet when the others' failure reached it
     headline = out.splitlines()[1]
     assert headline.startswith(f"  ranks disagree on collective #{seq}: "), out
-    assert odd in headline and "2 called all_reduce(float32, 4 elements, op=sum)" in headline
+    assert odd in headline and " called all_reduce(float32, 4 elements, op=sum)" in headline
     assert f"diverged:     #{seq}" in out
     code, out = doctor(capsys, str(tmp_path), "--json")
     verdict, = json.loads(out)
