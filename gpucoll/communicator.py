@@ -151,6 +151,7 @@ class Communicator:
         # the lean path of the common calls on NumPy arrays (not under the debug check)
         self._lean_backend = backend.lean if self._check is None else None
         self._recorder = Recorder(size_from_env())  # the last calls, for dumps and the doctor
+        self._keep = self._recorder.keep
         self._flight = Flight(self._recorder, store, self.rank, self.size, backend)
         _LIVE.add(self)
 
@@ -567,23 +568,23 @@ class Communicator:
             self._inside = name
             seq = self._seq
             self._seq = seq + 1
+            keep = self._keep  # the flight recorder's record of a lean call: two items
             if kind == _ALL_REDUCE:  # arg: the op; else broadcast's root
-                entry = self._recorder.host_call(seq, name, x, -1, arg)
+                keep((seq, name, x.dtype, x.size, -1, arg, clock()))
             else:
-                entry = self._recorder.host_call(seq, name, x, arg, None)
+                keep((seq, name, x.dtype, x.size, arg, None, clock()))
             progress = self._progress
-            entry[STARTED] = clock()
             progress.enter(seq, kind)
             try:
                 run(x if x.ndim == 1 else x.reshape(-1), arg, seq, self.timeout)
             except BaseException as exc:
-                entry[ENDED] = -clock()
+                keep(-clock())
                 progress.leave(False)
                 if isinstance(exc, GpucollError):
                     self._flight.failed(exc)
                 raise
             progress.leave(True)
-            entry[ENDED] = clock()
+            keep(clock())
         finally:
             self._entry.release()
         return True

@@ -48,14 +48,18 @@ def size_from_env(environ: Any = None) -> int:
 class Recorder:
     """The last ``capacity`` calls of one communicator (none kept when ``capacity`` is 0)."""
 
-    __slots__ = ("capacity", "entries", "_keep", "current", "wall_offset")
+    __slots__ = ("capacity", "entries", "keep", "_keep", "current", "wall_offset")
 
     def __init__(self, capacity: int = DEFAULT_SIZE):
         self.capacity = capacity
-        # a deque drops the oldest entry itself; copying it (a dump) is one C call, which no
-        # other thread can interleave with
-        self.entries: collections.deque = collections.deque(maxlen=capacity)
-        self._keep = self.entries.append
+        # a deque drops the oldest item itself; copying it (a dump) is one C call, which no
+        # other thread can interleave with. A lean call takes two items (see ``keep``).
+        self.entries: collections.deque = collections.deque(maxlen=2 * capacity)
+        # the lean path's record, the cheapest there is: ``keep((seq, call, dtype, count,
+        # root, op, started))`` as the call starts, then ``keep(ended)`` (an int, negative
+        # when it failed); nothing else is kept between the two, since the call holds the
+        # communicator (entries of async calls are made before and filled in place)
+        self.keep = self._keep = self.entries.append
         self.current: list = _blank()  # the latest call's entry (a scratch one when off)
         # monotonic -> wall clock, so that the ranks' records line up on one time axis
         self.wall_offset = time.time_ns() - clock()
@@ -72,14 +76,6 @@ class Recorder:
         self._keep(entry)
         self.current = entry
 
-    def host_call(self, seq: int, call: str, x: Any, root: int, op: Any) -> list:
-        """As ``collective``, for a NumPy array ``x`` (``root`` -1 and ``op`` None where the
-        call has none); returns the entry."""
-        entry = [seq, call, x.dtype, x.size, root, op, -1, 0, 0, 0, 0]
-        self._keep(entry)
-        self.current = entry
-        return entry
-
     def point_to_point(self, call: str, ref: Any, peer: int) -> None:
         """A send or receive with ``peer`` passed its checks: make its entry."""
         entry = [-1, call, ref.dtype, ref.count, -1, None, peer, 0, 0, 0, 0]
@@ -87,8 +83,19 @@ class Recorder:
         self.current = entry
 
     def snapshot(self) -> list[list]:
-        """Copies of the entries held now, oldest first."""
-        return [list(e) for e in list(self.entries)]
+        """Copies of the last ``capacity`` entries held now, oldest first (a lean call's two
+        items become one entry)."""
+        items = list(self.entries)
+        out = []
+        for i, item in enumerate(items):
+            if type(item) is tuple:  # a lean call; its end follows unless it is running
+                seq, call, dtype, count, root, op, started = item
+                after = items[i + 1] if i + 1 < len(items) else None
+                ended = after if type(after) is int else 0
+                out.append([seq, call, dtype, count, root, op, -1, 0, 0, started, ended])
+            elif type(item) is list:
+                out.append(list(item))
+        return out[-self.capacity:] if self.capacity else []
 
     def records(self) -> list[dict[str, Any]]:
         """The entries as dicts of names and wall-clock microseconds (see ``record``)."""
