@@ -15,6 +15,7 @@ at different calls have waited longer than ``patience`` seconds.
 from __future__ import annotations
 
 import dataclasses
+import re
 import time
 from typing import Any
 
@@ -312,7 +313,10 @@ class _Case:
                 events.append((ended, r, "death"))
         if not events:
             return None
-        events.sort()
+        # an error a rank only relayed (another rank's failure, told to it) is not the first,
+        # whenever it was dumped: the rank that found the fault may have been slower to write
+        events.sort(key=lambda e: (e[2] == "error" and _relayed(self.records[e[1]].error),
+                                   e[0]))
         t, r, kind = events[0]
         if kind == "error":
             err = self.records[r].error
@@ -355,6 +359,14 @@ class _Case:
 
 
 _NONE = RankRecord("", 0, 0, 0, "", Position(0, -1, 0, 0), None, [], False, "", None, "", 0.0, {})
+
+
+_RELAYED = re.compile(r": rank \d+ (failed|reported a failure caused by rank \d+): ")
+
+
+def _relayed(error: dict[str, Any]) -> bool:
+    """An error that passes on another rank's failure (as the ring's peers tell it)."""
+    return bool(_RELAYED.search(error.get("message", "")))
 
 
 def _plural(note: str, count: int) -> str:
