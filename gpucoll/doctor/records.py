@@ -173,7 +173,7 @@ def ask_store(store: Any, job: str, wait: float) -> Evidence:
     evidence = Evidence(source=f"store, job {job!r}", asked_at=time.time() * 1e6)
     store.set(ask, str(time.time()))
     try:
-        bodies = _collect_answers(store, ask, root, evidence, time.monotonic() + wait)
+        bodies = _collect_answers(store, ask, time.monotonic() + wait)
     finally:
         store.delete_prefix(f"{ask}/")
         store.delete_key(ask)
@@ -203,11 +203,13 @@ def _add_body(evidence: Evidence, lines: Any, source: str, body: dict[str, Any])
         evidence.unreadable += 1
 
 
-def _collect_answers(store: Any, ask: str, root: str, evidence: Evidence,
-                     deadline: float) -> list[dict[str, Any]]:
+def _collect_answers(store: Any, ask: str, deadline: float) -> list[dict[str, Any]]:
+    """The answers to ``ask`` once every rank of the groups they name has answered or is gone,
+    or at ``deadline``."""
     bodies: dict[int, dict[str, Any]] = {}
     while True:
-        count = int(store.peek([f"{ask}/answers"])[0] or 0)
+        raw = store.peek([f"{ask}/answers"])[0] or b"0"
+        count = int(raw) if raw.isdigit() else 0
         missing = [i for i in range(1, count + 1) if i not in bodies]
         for i, value in zip(missing, store.peek([f"{ask}/answer/{i}" for i in missing]),
                             strict=True):
