@@ -120,6 +120,7 @@ class Communicator:
 
     def __init__(self, backend: Backend, store: Any, *, timeout: float,
                  debug: bool | None = None, owned_store: Any = None, liveness: Any = None):
+        trace_size = size_from_env()  # first: a bad value must not leave half a communicator
         self._backend = backend
         self.rank: int = backend.rank
         self.size: int = backend.size
@@ -150,7 +151,7 @@ class Communicator:
             debug_enabled() if debug is None else debug) else None
         # the lean path of the common calls on NumPy arrays (not under the debug check)
         self._lean_backend = backend.lean if self._check is None else None
-        self._recorder = Recorder(size_from_env())  # the last calls, for dumps and the doctor
+        self._recorder = Recorder(trace_size)  # the last calls, for dumps and the doctor
         self._keep = self._recorder.keep
         self._flight = Flight(self._recorder, store, self.rank, self.size, backend)
         _LIVE.add(self)

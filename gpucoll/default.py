@@ -8,6 +8,7 @@ from typing import Any
 
 from gpucoll.backends import create_backend, requested_name
 from gpucoll.communicator import Communicator
+from gpucoll.recorder import size_from_env
 from gpucoll.validation import check_timeout
 from gpucoll.work import Work
 
@@ -42,6 +43,7 @@ def create(backend: str = "auto", *, rank: int | None = None, world_size: int | 
 
     name = requested_name(backend)
     timeout = _timeout(timeout)
+    size_from_env()  # a bad GPUCOLL_TRACE_SIZE is an error before anything is made
     rank, world_size, base, owned = _rendezvous(rank, world_size, store, timeout)
     space = None
     try:

@@ -65,9 +65,13 @@ def test_a_bad_trace_size_is_an_error_naming_the_variable(raw):
 
 
 def test_a_bad_trace_size_fails_init_before_anything_is_made(monkeypatch):
+    import threading
+
+    before = {t.name for t in threading.enumerate()}
     monkeypatch.setenv("GPUCOLL_TRACE_SIZE", "lots")
     with pytest.raises(ValueError, match="GPUCOLL_TRACE_SIZE='lots'"):
         gpucoll.init("ring", rank=0, world_size=1)
+    assert {t.name for t in threading.enumerate()} == before  # no store server, no listener
 
 
 def _every_kind_of_call(rank, n, addr, directory):
