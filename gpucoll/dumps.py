@@ -397,8 +397,12 @@ class _Listener:
             client.close()
 
     def _serve(self, client: Any) -> None:
+        """Answer each ask made from now on, and the one a doctor still waits on (its key is
+        there until it has read the answers): this thread may start after the doctor asked."""
         counter, prefix = ask_keys(self.root)
         seen = int(client.peek([counter])[0] or 0)
+        if seen and client.peek([f"{prefix}/{seen}"])[0] is not None:
+            seen -= 1
         while not self._stopped.is_set() and len(self.flights):
             latest = int(client.peek([counter])[0] or 0)
             if latest > seen:
