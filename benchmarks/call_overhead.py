@@ -43,7 +43,7 @@ from gpucoll.arrays import as_ref
 from gpucoll.backends.nccl import NcclBackend
 from gpucoll.communicator import Communicator
 from gpucoll.ops import ReduceOp
-from gpucoll.recorder import ENDED, STARTED, Recorder, clock
+from gpucoll.recorder import Recorder, clock
 from gpucoll.store import PrefixStore, TCPStore
 
 TARGET_US = 10.0
@@ -206,33 +206,31 @@ def cases(comm: Communicator, backend: NcclBackend,
 
 
 def recorder_cases() -> list[tuple[str, Any]]:
-    """What the flight recorder adds to one call, as the communicator does it: the entry made
-    after the checks, then the start and end stamped around the backend call."""
+    """What the flight recorder adds to one call, as the communicator does it: the call's
+    signature kept after its checks, then its start and its end kept around the backend call
+    (a NumPy all_reduce on the lean path keeps both at once)."""
     rec = Recorder()
+    keep = rec.keep
     ref = as_ref(np.zeros(1024, np.float32), "x")
-    fields = {"op": ReduceOp.SUM}
+    host = np.zeros(1024, np.float32)
+
     def collective() -> None:
-        rec.collective(7, "all_reduce", ref, fields)
-        entry = rec.current
-        entry[STARTED] = clock()
-        entry[ENDED] = clock()
+        rec.signature(7, "all_reduce", ref, {"op": ReduceOp.SUM})
+        keep(rec.current + (clock(),))
+        keep(clock())
 
     def point_to_point() -> None:
         rec.point_to_point("send", ref, 1)
-        entry = rec.current
-        entry[STARTED] = clock()
-        entry[ENDED] = clock()
+        keep(rec.current + (clock(),))
+        keep(clock())
 
-    host = np.zeros(1024, np.float32)
-
-    def host_call() -> None:  # the lean path of all_reduce and broadcast on NumPy arrays
-        keep = rec.keep
+    def lean() -> None:
         keep((7, "all_reduce", host.dtype, host.size, -1, ReduceOp.SUM, clock()))
         keep(clock())
 
-    return [("recorder: a collective's entry and times", collective),
-            ("recorder: a send's entry and times", point_to_point),
-            ("recorder: a NumPy all_reduce's (lean path)", host_call),
+    return [("recorder: a collective's record", collective),
+            ("recorder: a send's record", point_to_point),
+            ("recorder: a NumPy all_reduce's (lean path)", lean),
             ("(an empty call: the timing loop's own cost)", lambda: None)]
 
 

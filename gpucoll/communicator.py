@@ -55,16 +55,7 @@ from gpucoll.errors import (
     UsageError,
 )
 from gpucoll.progress import KIND
-from gpucoll.recorder import (
-    ENDED,
-    QUEUED,
-    STARTED,
-    STREAM,
-    Recorder,
-    clock,
-    size_from_env,
-    stream_id,
-)
+from gpucoll.recorder import Recorder, clock, size_from_env, stream_id
 from gpucoll.signature import SignatureCheck
 from gpucoll.store.gather import Liveness, agree_survivors, gather, leave_group, wait_for_ranks
 from gpucoll.validation import VALID_OPS, Call, check_timeout
@@ -342,7 +333,7 @@ class Communicator:
         check = self._pair_signature(c, ref, dst, sending=True)
         b = self._backend
         if async_op and check is None:
-            self._recorder.current[QUEUED] = clock()  # posted; its end is the Work's
+            self._recorder.posted()  # its end is the Work's, which the recorder does not see
             return b.isend(ref, dst, timeout=t, stream=stream).bind(None, c.where)
         return self._issue(c, None, lambda: b.send(ref, dst, timeout=t, stream=stream),
                            None, async_op, stream, check=check, timeout=t)
@@ -360,7 +351,7 @@ class Communicator:
         check = self._pair_signature(c, ref, src, sending=False)
         b = self._backend
         if async_op and check is None and ref.array is x:
-            self._recorder.current[QUEUED] = clock()  # posted; its end is the Work's
+            self._recorder.posted()  # its end is the Work's, which the recorder does not see
             return b.irecv(ref, src, timeout=t, stream=stream).bind(x, c.where)
         return self._issue(c, None, lambda: b.recv(ref, src, timeout=t, stream=stream),
                            x, async_op, stream, ref, x, check=check, timeout=t)
@@ -569,7 +560,7 @@ class Communicator:
             self._inside = name
             seq = self._seq
             self._seq = seq + 1
-            keep = self._keep  # the flight recorder's record of a lean call: two items
+            keep = self._keep  # the flight recorder: the call as it starts, then its end
             if kind == _ALL_REDUCE:  # arg: the op; else broadcast's root
                 keep((seq, name, x.dtype, x.size, -1, arg, clock()))
             else:
@@ -627,50 +618,78 @@ class Communicator:
         ``target`` back into it afterwards; run a debug ``check`` first."""
         if check is not None or (staged is not None and staged.array is not target):
             call = _wrapped(call, check, timeout, staged, target)
+        rec = self._recorder
         if stream is not None:
-            self._recorder.current[STREAM] = stream_id(stream)
-        call = self._timed(call) if seq is None else self._tracked(seq, KIND[c.name], call)
+            rec.on_stream(stream_id(stream))
         if async_op:
-            self._recorder.current[QUEUED] = clock()
+            call = self._queued(seq, 0 if seq is None else KIND[c.name], call, rec.issued())
             return self._backend.run_async(call, stream=stream).bind(result, c.where)
+        call = self._timed(call) if seq is None else self._tracked(seq, KIND[c.name], call)
         self._backend.run_sync(call)
         return result
 
     def _tracked(self, seq: int, kind: int, call: Callable[[], None]) -> Callable[[], None]:
-        """``call``, collective ``seq``, marked in the progress record and timed in the flight
-        recorder's latest entry; a failure that ends the group dumps the recorder."""
-        progress, entry, flight = self._progress, self._recorder.current, self._flight
+        """``call``, collective ``seq``, run now: marked in the progress record, its start and
+        end kept by the flight recorder; a failure that ends the group dumps the recorder."""
+        progress, keep, flight = self._progress, self._keep, self._flight
+        head = self._recorder.current
 
         def run() -> None:
-            entry[STARTED] = clock()
+            keep(head + (clock(),))
             progress.enter(seq, kind)
             try:
                 call()
             except BaseException as exc:
-                entry[ENDED] = -clock()
+                keep(-clock())
                 progress.leave(False)
                 if isinstance(exc, GpucollError):
                     flight.failed(exc)
                 raise
             progress.leave(True)
-            entry[ENDED] = clock()
+            keep(clock())
 
         return run
 
     def _timed(self, call: Callable[[], None]) -> Callable[[], None]:
-        """``call``, a send or receive, timed in the flight recorder's latest entry."""
-        entry, flight = self._recorder.current, self._flight
+        """``call``, a send or receive run now, its start and end kept by the recorder."""
+        keep, flight, head = self._keep, self._flight, self._recorder.current
 
         def run() -> None:
-            entry[STARTED] = clock()
+            keep(head + (clock(),))
             try:
                 call()
             except BaseException as exc:
-                entry[ENDED] = -clock()
+                keep(-clock())
                 if isinstance(exc, GpucollError):
                     flight.failed(exc)
                 raise
-            entry[ENDED] = clock()
+            keep(clock())
+
+        return run
+
+    def _queued(self, seq: int | None, kind: int, call: Callable[[], None],
+                n: int) -> Callable[[], None]:
+        """``call``, queued as the recorder's call ``n``: as ``_tracked`` (``_timed`` for a
+        send or receive), when it runs later."""
+        progress = None if seq is None else self._progress
+        keep, flight = self._keep, self._flight
+
+        def run() -> None:
+            keep(("S", n, clock()))
+            if progress is not None:
+                progress.enter(seq, kind)
+            try:
+                call()
+            except BaseException as exc:
+                keep(("E", n, -clock()))
+                if progress is not None:
+                    progress.leave(False)
+                if isinstance(exc, GpucollError):
+                    flight.failed(exc)
+                raise
+            if progress is not None:
+                progress.leave(True)
+            keep(("E", n, clock()))
 
         return run
 
@@ -678,7 +697,7 @@ class Communicator:
         """The sequence number of this collective (after the debug check, when it is on)."""
         seq = self._seq
         self._seq += 1
-        self._recorder.collective(seq, c.name, ref, fields)
+        self._recorder.signature(seq, c.name, ref, fields)
         if self._check is None:
             return seq
         sig = {"call": c.name, "dtype": None, "shape": None, **fields}

@@ -1,15 +1,30 @@
 """The flight recorder: a communicator's last N calls, always on, at a fixed small cost per call.
 
-Each call gets one entry in a ring of ``capacity`` slots (``GPUCOLL_TRACE_SIZE``, default 2000;
-0 keeps none): a short list made in one step -- sequence number, call, dtype, element count,
-the signature's root and op, peer, stream -- and the times it was queued, started and ended,
-read from the monotonic clock once per event. Recording formats and looks up nothing: the
-call's name, its dtype and its signature's fields are the call's own objects, held by
-reference, and ``records()`` turns entries into words only when someone asks (a dump). An
-entry's end time is negative when the call failed.
+Each call leaves a record in a ring of about ``capacity`` calls (``GPUCOLL_TRACE_SIZE``, default
+2000; 0 keeps none): its sequence number, call, dtype, element count, root, reduce op, peer and
+stream, and the times it was queued, started and ended, read from the monotonic clock once per
+event. Recording formats nothing and looks nothing up. A record is a tuple of ints and
+strings, which the garbage collector stops tracking at once: a ring of thousands of records
+the collector had to watch, renewed call after call, made it collect several times as often
+and cost the general path more than the recording itself.
+``records()`` turns the ring into dicts only when someone asks (a dump).
 
-Entries are written by the thread that makes or runs the call and may be read at any moment by
-another thread (a dump): every field is one list item, so a reader sees each whole or not yet.
+The ring is a deque of these items, appended by the thread that makes or runs the call:
+
+  (seq, call, dtype, count, root, op, peer, stream, started)   a call that runs now
+      int                                                       ... its end (negative: failed)
+  (seq, call, dtype, count, root, op, started)                  a lean call (NumPy all_reduce
+      int                                                       or broadcast), and its end
+  ("Q", id, seq, ..., stream, queued)                           an async call, issued
+      ("S", id, started), ("E", id, ended)                      ... when it runs
+  ("P", seq, ..., stream, posted)                               a non-blocking send or receive
+
+``seq`` is -1 for sends and receives; ``dtype`` is the NumPy type number; ``op`` the op's name or
+None. A lean call keeps the call's own dtype and ReduceOp objects instead (cheaper to take than
+their number and name, and that path makes too few objects for the collector to matter). A call
+that runs now holds the communicator until its end, so nothing is appended between its two
+items. Reading the ring (a dump) copies the deque in one C call, which no other thread can
+interleave with.
 """
 
 from __future__ import annotations
@@ -19,19 +34,20 @@ import os
 import time
 from typing import Any
 
+from gpucoll.arrays import SUPPORTED_DTYPES, dtype_from_name
+
 DEFAULT_SIZE = 2000
 SIZE_VARIABLE = "GPUCOLL_TRACE_SIZE"
 MAX_SIZE = 1 << 20
 
-# fields of an entry: the call's own objects (its name, a dtype, a ReduceOp) are kept by
-# reference, which costs nothing; they become words only in ``record``
-SEQ, CALL, DTYPE, COUNT, ROOT, OP, PEER, STREAM, QUEUED, STARTED, ENDED = range(11)
-
 clock = time.monotonic_ns  # the one clock read per event
+NO_CALL = (-1, "", -1, -1, -1, None, -1, 0)  # a signature: seq, call, dtype, count, root, op,
+# peer, stream
+_DTYPE_NAMES: dict[int, str] = {}
 
 
 def size_from_env(environ: Any = None) -> int:
-    """``GPUCOLL_TRACE_SIZE`` as a number of entries; ValueError naming the variable if bad."""
+    """``GPUCOLL_TRACE_SIZE`` as a number of calls; ValueError naming the variable if bad."""
     raw = (os.environ if environ is None else environ).get(SIZE_VARIABLE, "")
     if raw.strip() == "":
         return DEFAULT_SIZE
@@ -46,96 +62,125 @@ def size_from_env(environ: Any = None) -> int:
 
 
 class Recorder:
-    """The last ``capacity`` calls of one communicator (none kept when ``capacity`` is 0)."""
+    """The last ``capacity`` calls of one communicator (none kept when ``capacity`` is 0).
 
-    __slots__ = ("capacity", "entries", "keep", "_keep", "current", "wall_offset")
+    The communicator appends a call's items with ``keep`` itself (a bound ``deque.append``,
+    the cheapest way there is), from the signature that ``signature``/``point_to_point`` left
+    in ``current``."""
+
+    __slots__ = ("capacity", "entries", "keep", "current", "wall_offset", "_ids")
 
     def __init__(self, capacity: int = DEFAULT_SIZE):
         self.capacity = capacity
-        # a deque drops the oldest item itself; copying it (a dump) is one C call, which no
-        # other thread can interleave with. A lean call takes two items (see ``keep``).
         self.entries: collections.deque = collections.deque(maxlen=2 * capacity)
-        # the lean path's record, the cheapest there is: ``keep((seq, call, dtype, count,
-        # root, op, started))`` as the call starts, then ``keep(ended)`` (an int, negative
-        # when it failed); nothing else is kept between the two, since the call holds the
-        # communicator (entries of async calls are made before and filled in place)
-        self.keep = self._keep = self.entries.append
-        self.current: list = _blank()  # the latest call's entry (a scratch one when off)
+        self.keep = self.entries.append
+        self.current: tuple = NO_CALL  # the signature of the call being made
+        self._ids = 0
         # monotonic -> wall clock, so that the ranks' records line up on one time axis
         self.wall_offset = time.time_ns() - clock()
 
-    def collective(self, seq: int, call: str, ref: Any, fields: dict[str, Any]) -> None:
-        """Collective ``seq``, a ``call`` (its name), passed its checks: make its entry.
-        ``ref``: its array (or None); ``fields``: its signature's ``root`` and ``op``."""
-        if ref is None:
-            entry = [seq, call, None, -1, fields.get("root", -1), fields.get("op"), -1, 0, 0, 0,
-                     0]
-        else:
-            entry = [seq, call, ref.dtype, ref.count, fields.get("root", -1), fields.get("op"),
-                     -1, 0, 0, 0, 0]
-        self._keep(entry)
-        self.current = entry
+    def signature(self, seq: int, call: str, ref: Any, fields: dict[str, Any]) -> None:
+        """Collective ``seq`` of ``call`` (its name) passed its checks: ``ref`` is its array
+        (or None), ``fields`` its signature's ``root`` and ``op``."""
+        op = fields.get("op")
+        self.current = (seq, call, -1 if ref is None else ref.dtype.num,
+                        -1 if ref is None else ref.count, fields.get("root", -1),
+                        None if op is None else op._value_, -1, 0)
 
     def point_to_point(self, call: str, ref: Any, peer: int) -> None:
-        """A send or receive with ``peer`` passed its checks: make its entry."""
-        entry = [-1, call, ref.dtype, ref.count, -1, None, peer, 0, 0, 0, 0]
-        self._keep(entry)
-        self.current = entry
+        """A send or receive with ``peer`` passed its checks."""
+        self.current = (-1, call, ref.dtype.num, ref.count, -1, None, peer, 0)
+
+    def on_stream(self, stream: int) -> None:
+        """The current call runs on ``stream`` (a number, see ``stream_id``)."""
+        self.current = self.current[:7] + (stream,)
+
+    def issued(self) -> int:
+        """The current call was queued to run later; the id its start and end name."""
+        n = self._ids
+        self._ids = n + 1
+        self.keep(("Q", n) + self.current + (clock(),))
+        return n
+
+    def posted(self) -> None:
+        """The current call, a non-blocking send or receive, was posted."""
+        self.keep(("P",) + self.current + (clock(),))
 
     def snapshot(self) -> list[list]:
-        """Copies of the last ``capacity`` entries held now, oldest first (a lean call's two
-        items become one entry)."""
-        items = list(self.entries)
-        out = []
-        for i, item in enumerate(items):
-            if type(item) is tuple:  # a lean call; its end follows unless it is running
-                seq, call, dtype, count, root, op, started = item
-                after = items[i + 1] if i + 1 < len(items) else None
-                ended = after if type(after) is int else 0
-                out.append([seq, call, dtype, count, root, op, -1, 0, 0, started, ended])
-            elif type(item) is list:
-                out.append(list(item))
-        return out[-self.capacity:] if self.capacity else []
+        """The last ``capacity`` calls held now, oldest first, each as ``[seq, call, dtype,
+        count, root, op, peer, stream, queued, started, ended]`` (times 0 when not yet; ended
+        negative when the call failed; queued -1 for a posted send or receive)."""
+        calls: list[list] = []
+        issued: dict[int, list] = {}
+        running: list | None = None  # a call that runs now, until its end comes
+        for item in list(self.entries):
+            if type(item) is int:
+                if running is not None:
+                    running[10], running = item, None
+                continue
+            tag = item[0]
+            if type(tag) is int:
+                if len(item) == 7:  # a lean call: the dtype and op are objects
+                    seq, call, dtype, count, root, op, started = item
+                    item = (seq, call, dtype.num, count, root,
+                            None if op is None else op.value, -1, 0, started)
+                running = [*item[:8], 0, item[8], 0]
+                calls.append(running)
+            elif tag == "Q":
+                issued[item[1]] = entry = [*item[2:10], item[10], 0, 0]
+                calls.append(entry)
+            elif tag == "P":
+                calls.append([*item[1:9], -1, item[9], 0])
+            elif item[1] in issued:
+                issued[item[1]][9 if tag == "S" else 10] = item[2]
+        return calls[-self.capacity:] if self.capacity else []
 
     def records(self) -> list[dict[str, Any]]:
-        """The entries as dicts of names and wall-clock microseconds (see ``record``)."""
+        """The calls as dicts of names and wall-clock microseconds (see ``record``)."""
         return [record(e, self.wall_offset) for e in self.snapshot()]
 
 
-def _blank() -> list:
-    return [-1, "", None, -1, -1, None, -1, 0, 0, 0, 0]
-
-
 def record(entry: list, wall_offset: int) -> dict[str, Any]:
-    """One entry in words: call, seq (-1 for sends and receives), dtype, count, root, op,
-    peer, stream, the times queued/started/ended in microseconds since the epoch (None: not
-    yet), and its state: ``issued`` (queued, not started), ``posted`` (a non-blocking send or
-    receive, whose end the recorder does not see), ``running``, ``done`` or ``failed``."""
-    queued, started, ended = entry[QUEUED], entry[STARTED], entry[ENDED]
-    name = entry[CALL]
-    if not started:
-        state = "posted" if name in ("send", "recv") and queued else "issued"
+    """One call in words: call, seq (-1 for sends and receives), dtype, count, root, op, peer,
+    stream, the times queued/started/ended in microseconds since the epoch (None: not yet), and
+    its state: ``issued`` (queued, not started), ``posted`` (a non-blocking send or receive,
+    whose end the recorder does not see), ``running``, ``done`` or ``failed``."""
+    seq, call, dtype, count, root, op, peer, stream, queued, started, ended = entry
+    if queued == -1:
+        state, queued, started = "posted", started, 0
+    elif not started:
+        state = "issued"
     else:
         state = "running" if not ended else "done" if ended > 0 else "failed"
-    out: dict[str, Any] = {"call": name, "seq": entry[SEQ]}
-    dtype, root, op = entry[DTYPE], entry[ROOT], entry[OP]
-    if dtype is not None:
-        out["dtype"] = getattr(dtype, "name", str(dtype))
-    if entry[COUNT] >= 0:
-        out["count"] = entry[COUNT]
-    if isinstance(root, int) and root >= 0:
+    out: dict[str, Any] = {"call": call, "seq": seq}
+    if dtype >= 0:
+        out["dtype"] = dtype_name(dtype)
+    if count >= 0:
+        out["count"] = count
+    if root >= 0:
         out["root"] = root
     if op is not None:
-        out["op"] = getattr(op, "value", str(op))
-    if entry[PEER] >= 0:
-        out["peer"] = entry[PEER]
-    if entry[STREAM]:
-        out["stream"] = entry[STREAM]
+        out["op"] = op
+    if peer >= 0:
+        out["peer"] = peer
+    if stream:
+        out["stream"] = stream
     out["queued"] = _us(queued or started, wall_offset)
     out["started"] = _us(started, wall_offset)
     out["ended"] = _us(abs(ended), wall_offset)
     out["state"] = state
     return out
+
+
+def dtype_name(num: int) -> str:
+    """The name of the supported dtype whose NumPy type number is ``num``."""
+    if not _DTYPE_NAMES:
+        for name in SUPPORTED_DTYPES:
+            try:
+                _DTYPE_NAMES[dtype_from_name(name).num] = name
+            except (TypeError, ValueError, ImportError):
+                pass
+    return _DTYPE_NAMES.get(num, f"dtype #{num}")
 
 
 def _us(t: int, wall_offset: int) -> float | None:

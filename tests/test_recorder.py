@@ -14,30 +14,57 @@ import gpucoll
 from gpucoll.arrays import as_ref
 from gpucoll.dumps import write_files
 from gpucoll.ops import ReduceOp
-from gpucoll.recorder import ENDED, STARTED, Recorder, clock, size_from_env
+from gpucoll.recorder import Recorder, clock, size_from_env
 
 pytestmark = pytest.mark.timeout(120)
 
 
 def _call(rec: Recorder, seq: int, ok: bool = True, **fields) -> None:
-    rec.collective(seq, "all_reduce", as_ref(np.zeros(3, np.float32), "x"), fields)
-    rec.current[STARTED] = clock()
-    rec.current[ENDED] = clock() if ok else -clock()
+    """As the communicator records a collective that runs now."""
+    rec.signature(seq, "all_reduce", as_ref(np.zeros(3, np.float32), "x"), fields)
+    rec.keep(rec.current + (clock(),))
+    rec.keep(clock() if ok else -clock())
 
 
-def test_an_entry_says_the_call_its_arguments_times_and_state():
+def test_a_record_says_the_call_its_arguments_times_and_state():
     rec = Recorder(8)
     _call(rec, 0, op=ReduceOp.MAX)
     _call(rec, 1, ok=False, op=ReduceOp.SUM)
-    rec.collective(2, "broadcast", None, {"root": 1})
-    first, failed, issued = rec.records()
+    rec.signature(2, "broadcast", None, {"root": 1})
+    rec.issued()
+    rec.point_to_point("send", as_ref(np.zeros(5, np.int64), "x"), 3)
+    rec.posted()
+    first, failed, issued, posted = rec.records()
     assert {k: first[k] for k in ("call", "seq", "dtype", "count", "op", "state")} == {
         "call": "all_reduce", "seq": 0, "dtype": "float32", "count": 3, "op": "max",
         "state": "done"}
     assert first["queued"] == first["started"] <= first["ended"]
     assert failed["state"] == "failed" and failed["ended"] >= failed["started"]
-    assert issued == {"call": "broadcast", "seq": 2, "root": 1, "queued": None,
-                      "started": None, "ended": None, "state": "issued"}
+    assert issued["state"] == "issued" and issued["root"] == 1 and issued["started"] is None
+    assert {k: posted[k] for k in ("call", "seq", "dtype", "count", "peer", "state")} == {
+        "call": "send", "seq": -1, "dtype": "int64", "count": 5, "peer": 3, "state": "posted"}
+
+
+def test_an_async_call_is_queued_then_started_then_ended():
+    rec = Recorder(8)
+    rec.signature(0, "all_reduce", as_ref(np.zeros(2), "x"), {"op": ReduceOp.SUM})
+    n = rec.issued()
+    _call(rec, 1)  # a call made while the first waits in the queue
+    rec.keep(("S", n, clock()))
+    rec.keep(("E", n, clock()))
+    queued, now = rec.records()
+    assert queued["seq"] == 0 and queued["state"] == "done"
+    assert queued["queued"] <= queued["started"] <= queued["ended"]
+    assert now["seq"] == 1 and now["state"] == "done"
+
+
+def test_records_hold_only_what_the_garbage_collector_need_not_watch():
+    import gc
+
+    rec = Recorder(8)
+    _call(rec, 0, op=ReduceOp.SUM)
+    gc.collect()
+    assert not any(gc.is_tracked(item) for item in rec.entries)
 
 
 def test_the_recorder_keeps_the_last_n_calls_oldest_first():
@@ -47,10 +74,10 @@ def test_the_recorder_keeps_the_last_n_calls_oldest_first():
     assert [r["seq"] for r in rec.records()] == [7, 8, 9, 10, 11]
 
 
-def test_a_size_of_zero_keeps_nothing_but_still_takes_calls():
+def test_a_size_of_zero_keeps_nothing():
     rec = Recorder(0)
     _call(rec, 0)
-    assert rec.records() == [] and rec.current[0] == 0  # the call's entry, kept nowhere
+    assert rec.records() == [] and len(rec.entries) == 0
 
 
 @pytest.mark.parametrize("raw, size", [("", 2000), ("0", 0), ("17", 17), (" 5 ", 5)])
@@ -115,15 +142,18 @@ def test_a_dump_holds_every_call_of_every_communicator_of_the_rank(store_addr, t
             ("all_reduce", 0, "float64", 4, "max", None, None, "done"),
             ("broadcast", 1, "float64", 4, None, 1, None, "done"),
             ("all_gather", 2, "int32", 2, None, None, None, "done"),
-            ("scatter", 3, *(("int16", 3) if rank == 0 else (None, None)), None, 0, None,
-             "done"),  # a rank without out= does not know the slot's layout
+            # scatter agrees on the slot layout first (a call of its own), then moves the data;
+            # a rank without out= does not know the slot's layout
+            *[("scatter", 3, *(("int16", 3) if rank == 0 else (None, None)), None, 0, None,
+               "done")] * 2,
             ("all_reduce", 4, "float64", 4, "sum", None, None, "done"),
             (p2p, -1, "uint8", 5, None, None, 1 - rank, "done"),
             (p2p, -1, "float64", 4, None, None, 1 - rank, "done" if rank == 0 else "posted"),
             ("split", 5, None, None, None, None, None, "done"),
         ]
-        asynchronous = calls[4]
+        asynchronous = next(c for c in calls if c["seq"] == 4)
         assert asynchronous["queued"] <= asynchronous["started"] <= asynchronous["ended"]
+        assert asynchronous["queued"] < asynchronous["started"]  # queued, then run by the worker
         sub_calls = [line["call"] for line in rest if line["type"] == "call"
                      and line["group"] == groups[1]["group"]]
         assert sub_calls == ["barrier"]
