@@ -43,7 +43,8 @@ from gpucoll.arrays import as_ref
 from gpucoll.backends.nccl import NcclBackend
 from gpucoll.communicator import Communicator
 from gpucoll.ops import ReduceOp
-from gpucoll.recorder import Recorder, clock
+from gpucoll.progress import KIND
+from gpucoll.recorder import Recorder, clock, pack
 from gpucoll.store import PrefixStore, TCPStore
 
 TARGET_US = 10.0
@@ -213,19 +214,20 @@ def recorder_cases() -> list[tuple[str, Any]]:
     keep = rec.keep
     ref = as_ref(np.zeros(1024, np.float32), "x")
     host = np.zeros(1024, np.float32)
+    all_reduce, send = KIND["all_reduce"], KIND["send"]
 
     def collective() -> None:
-        rec.signature(7, "all_reduce", ref, {"op": ReduceOp.SUM})
-        keep(rec.current + (clock(),))
+        rec.signature(7, all_reduce, ref, {"op": ReduceOp.SUM})
+        keep(pack(*rec.current, clock()))
         keep(clock())
 
     def point_to_point() -> None:
-        rec.point_to_point("send", ref, 1)
-        keep(rec.current + (clock(),))
+        rec.point_to_point(send, ref, 1)
+        keep(pack(*rec.current, clock()))
         keep(clock())
 
     def lean() -> None:
-        keep((7, "all_reduce", host.dtype, host.size, -1, ReduceOp.SUM, clock()))
+        keep((7, all_reduce, host.dtype, host.size, -1, ReduceOp.SUM, clock()))
         keep(clock())
 
     return [("recorder: a collective's record", collective),

@@ -55,7 +55,7 @@ from gpucoll.errors import (
     UsageError,
 )
 from gpucoll.progress import KIND
-from gpucoll.recorder import Recorder, clock, size_from_env, stream_id
+from gpucoll.recorder import Recorder, clock, pack, size_from_env, stream_id
 from gpucoll.signature import SignatureCheck
 from gpucoll.store.gather import Liveness, agree_survivors, gather, leave_group, wait_for_ranks
 from gpucoll.validation import VALID_OPS, Call, check_timeout
@@ -562,9 +562,9 @@ class Communicator:
             self._seq = seq + 1
             keep = self._keep  # the flight recorder: the call as it starts, then its end
             if kind == _ALL_REDUCE:  # arg: the op; else broadcast's root
-                keep((seq, name, x.dtype, x.size, -1, arg, clock()))
+                keep((seq, kind, x.dtype, x.size, -1, arg, clock()))
             else:
-                keep((seq, name, x.dtype, x.size, arg, None, clock()))
+                keep((seq, kind, x.dtype, x.size, arg, None, clock()))
             progress = self._progress
             progress.enter(seq, kind)
             try:
@@ -635,7 +635,7 @@ class Communicator:
         head = self._recorder.current
 
         def run() -> None:
-            keep(head + (clock(),))
+            keep(pack(*head, clock()))
             progress.enter(seq, kind)
             try:
                 call()
@@ -655,7 +655,7 @@ class Communicator:
         keep, flight, head = self._keep, self._flight, self._recorder.current
 
         def run() -> None:
-            keep(head + (clock(),))
+            keep(pack(*head, clock()))
             try:
                 call()
             except BaseException as exc:
@@ -697,7 +697,7 @@ class Communicator:
         """The sequence number of this collective (after the debug check, when it is on)."""
         seq = self._seq
         self._seq += 1
-        self._recorder.signature(seq, c.name, ref, fields)
+        self._recorder.signature(seq, KIND[c.name], ref, fields)
         if self._check is None:
             return seq
         sig = {"call": c.name, "dtype": None, "shape": None, **fields}
@@ -708,7 +708,7 @@ class Communicator:
 
     def _pair_signature(self, c: Call, ref: ArrayRef, peer: int,
                         sending: bool) -> Callable[[float], None] | None:
-        self._recorder.point_to_point(c.name, ref, peer)
+        self._recorder.point_to_point(KIND[c.name], ref, peer)
         if self._check is None:
             return None
         sig = {"call": c.name, "dtype": ref.dtype.name, "shape": list(ref.shape),

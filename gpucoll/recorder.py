@@ -3,27 +3,28 @@
 Each call leaves a record in a ring of about ``capacity`` calls (``GPUCOLL_TRACE_SIZE``, default
 2000; 0 keeps none): its sequence number, call, dtype, element count, root, reduce op, peer and
 stream, and the times it was queued, started and ended, read from the monotonic clock once per
-event. Recording formats nothing and looks nothing up. A record is a tuple of ints and
-strings, which the garbage collector stops tracking at once: a ring of thousands of records
-the collector had to watch, renewed call after call, made it collect several times as often
-and cost the general path more than the recording itself.
+event. Recording formats nothing and looks nothing up. A call that runs now is one ``bytes``
+object of nine int64 (one C call packs it), which the garbage collector never looks at: a ring
+of thousands of tuples, renewed call after call, made it collect more often and each
+collection slower, and cost more than the recording itself.
 ``records()`` turns the ring into dicts only when someone asks (a dump).
 
 The ring is a deque of these items, appended by the thread that makes or runs the call:
 
-  (seq, call, dtype, count, root, op, peer, stream, started)   a call that runs now
-      int                                                       ... its end (negative: failed)
-  (seq, call, dtype, count, root, op, started)                  a lean call (NumPy all_reduce
-      int                                                       or broadcast), and its end
-  ("Q", id, seq, ..., stream, queued)                           an async call, issued
-      ("S", id, started), ("E", id, ended)                      ... when it runs
-  ("P", seq, ..., stream, posted)                               a non-blocking send or receive
+  pack(seq, kind, dtype, count, root, op, peer, stream, started)   a call that runs now
+      int                                            ... its end (negative: it failed)
+  (seq, kind, dtype, count, root, op, started)      a lean call (NumPy all_reduce or
+      int                                            broadcast), and its end
+  ("Q", id, seq, ..., stream, queued)                an async call, issued
+      ("S", id, started), ("E", id, ended)           ... when it runs
+  ("P", seq, ..., stream, posted)                    a non-blocking send or receive
 
-``seq`` is -1 for sends and receives; ``dtype`` is the NumPy type number; ``op`` the op's name or
-None. A lean call keeps the call's own dtype and ReduceOp objects instead (cheaper to take than
-their number and name, and that path makes too few objects for the collector to matter). A call
-that runs now holds the communicator until its end, so nothing is appended between its two
-items. Reading the ring (a dump) copies the deque in one C call, which no other thread can
+``seq`` is -1 for sends and receives; ``kind`` is the call's ``progress.KIND``; ``dtype`` the
+NumPy type number; ``op`` an index into ``ReduceOp`` or -1. A lean call keeps the call's own
+dtype and ReduceOp objects instead: cheaper to take, and that path makes too few objects for
+the collector's work to matter (measured: the same with the collector off). A call that runs
+now holds the communicator until its end, so nothing is appended between its two items.
+Reading the ring (a dump) copies the deque in one C call, which no other thread can
 interleave with.
 """
 
@@ -31,18 +32,25 @@ from __future__ import annotations
 
 import collections
 import os
+import struct
 import time
 from typing import Any
 
 from gpucoll.arrays import SUPPORTED_DTYPES, dtype_from_name
+from gpucoll.ops import ReduceOp
+from gpucoll.progress import kind_name
 
 DEFAULT_SIZE = 2000
 SIZE_VARIABLE = "GPUCOLL_TRACE_SIZE"
 MAX_SIZE = 1 << 20
 
 clock = time.monotonic_ns  # the one clock read per event
-NO_CALL = (-1, "", -1, -1, -1, None, -1, 0)  # a signature: seq, call, dtype, count, root, op,
-# peer, stream
+# a call that runs now: seq, call kind, dtype number, count, root, op code, peer, stream, started
+pack = struct.Struct("<9q").pack
+_UNPACK = struct.Struct("<9q").unpack
+NO_CALL = (-1, 0, -1, -1, -1, -1, -1, 0)  # a signature: all of the above but the time
+_OPS = tuple(ReduceOp)
+OP_CODES = {op.value: i for i, op in enumerate(_OPS)}  # by value: a str hashes fast
 _DTYPE_NAMES: dict[int, str] = {}
 
 
@@ -79,17 +87,17 @@ class Recorder:
         # monotonic -> wall clock, so that the ranks' records line up on one time axis
         self.wall_offset = time.time_ns() - clock()
 
-    def signature(self, seq: int, call: str, ref: Any, fields: dict[str, Any]) -> None:
-        """Collective ``seq`` of ``call`` (its name) passed its checks: ``ref`` is its array
-        (or None), ``fields`` its signature's ``root`` and ``op``."""
+    def signature(self, seq: int, kind: int, ref: Any, fields: dict[str, Any]) -> None:
+        """Collective ``seq`` of ``kind`` (``progress.KIND``) passed its checks: ``ref`` is its
+        array (or None), ``fields`` its signature's ``root`` and ``op``."""
         op = fields.get("op")
-        self.current = (seq, call, -1 if ref is None else ref.dtype.num,
+        self.current = (seq, kind, -1 if ref is None else ref.dtype.num,
                         -1 if ref is None else ref.count, fields.get("root", -1),
-                        None if op is None else op._value_, -1, 0)
+                        -1 if op is None else OP_CODES[op._value_], -1, 0)
 
-    def point_to_point(self, call: str, ref: Any, peer: int) -> None:
+    def point_to_point(self, kind: int, ref: Any, peer: int) -> None:
         """A send or receive with ``peer`` passed its checks."""
-        self.current = (-1, call, ref.dtype.num, ref.count, -1, None, peer, 0)
+        self.current = (-1, kind, ref.dtype.num, ref.count, -1, -1, peer, 0)
 
     def on_stream(self, stream: int) -> None:
         """The current call runs on ``stream`` (a number, see ``stream_id``)."""
@@ -117,22 +125,22 @@ class Recorder:
             if type(item) is int:
                 if running is not None:
                     running[10], running = item, None
-                continue
-            tag = item[0]
-            if type(tag) is int:
-                if len(item) == 7:  # a lean call: the dtype and op are objects
-                    seq, call, dtype, count, root, op, started = item
-                    item = (seq, call, dtype.num, count, root,
-                            None if op is None else op.value, -1, 0, started)
-                running = [*item[:8], 0, item[8], 0]
+            elif type(item) is bytes:
+                fields = _UNPACK(item)
+                running = [*fields[:8], 0, fields[8], 0]
                 calls.append(running)
-            elif tag == "Q":
+            elif type(item[0]) is int:  # a lean call: its dtype and op are objects
+                seq, kind, dtype, count, root, op, started = item
+                running = [seq, kind, dtype.num, count, root,
+                           -1 if op is None else OP_CODES[op.value], -1, 0, 0, started, 0]
+                calls.append(running)
+            elif item[0] == "Q":
                 issued[item[1]] = entry = [*item[2:10], item[10], 0, 0]
                 calls.append(entry)
-            elif tag == "P":
+            elif item[0] == "P":
                 calls.append([*item[1:9], -1, item[9], 0])
             elif item[1] in issued:
-                issued[item[1]][9 if tag == "S" else 10] = item[2]
+                issued[item[1]][9 if item[0] == "S" else 10] = item[2]
         return calls[-self.capacity:] if self.capacity else []
 
     def records(self) -> list[dict[str, Any]]:
@@ -145,7 +153,8 @@ def record(entry: list, wall_offset: int) -> dict[str, Any]:
     stream, the times queued/started/ended in microseconds since the epoch (None: not yet), and
     its state: ``issued`` (queued, not started), ``posted`` (a non-blocking send or receive,
     whose end the recorder does not see), ``running``, ``done`` or ``failed``."""
-    seq, call, dtype, count, root, op, peer, stream, queued, started, ended = entry
+    seq, kind, dtype, count, root, op, peer, stream, queued, started, ended = entry
+    call = kind_name(kind)
     if queued == -1:
         state, queued, started = "posted", started, 0
     elif not started:
@@ -159,8 +168,8 @@ def record(entry: list, wall_offset: int) -> dict[str, Any]:
         out["count"] = count
     if root >= 0:
         out["root"] = root
-    if op is not None:
-        out["op"] = op
+    if op >= 0:
+        out["op"] = _OPS[op].value
     if peer >= 0:
         out["peer"] = peer
     if stream:
