@@ -78,7 +78,7 @@ class RingBackend(Backend):
         if not 0 <= rank < size:
             raise ValueError(f"rank={rank} is outside a group of size {size}")
         self.rank, self.size = rank, size
-        self.use_order(order)
+        self._check_order(order)  # before the store is used
         self.timeout = timeout
         self._transport_arg = transport
         self._state = State()
@@ -104,6 +104,11 @@ class RingBackend(Backend):
             self._drop_progress_map()
             raise
         self.transport = self._mesh.transport
+        self._by_host = _group_by_host(self._mesh.peers)
+        # several hosts with the same number of ranks on each: all_reduce goes hierarchical
+        self._hosts = self._by_host if len(self._by_host) > 1 and len(
+            {len(h) for h in self._by_host}) == 1 and len(self._by_host[0]) > 1 else None
+        self.use_order(order)
         busy = self._mesh.local_ranks > CORES
         self._engine = Engine(rank, self._mesh.links, self._mesh.bell, self._state, busy,
                               describe=algos.describe_frame)
@@ -130,17 +135,21 @@ class RingBackend(Backend):
         return list(self._order)
 
     def use_order(self, order: list[int] | None) -> None:
-        """Make the ring visit ranks in ``order`` (None: rank order). Every rank must switch to
-        the same order before its next collective."""
+        """Make the ring visit ranks in ``order`` (None: rank order, each host's ranks together).
+        Every rank must switch to the same order before its next collective."""
+        self._check_order(order)
         if order is None:
-            order = range(self.size)
-        elif not (isinstance(order, (list, tuple))
-                  and all(isinstance(r, int) and not isinstance(r, bool) for r in order)
-                  and sorted(order) == list(range(self.size))):
-            raise ValueError(f"order={order!r} on rank {self.rank}: expected a permutation of the "
-                             f"ranks 0..{self.size - 1}")
+            order = [r for host in self._by_host for r in host]
         self._order = tuple(order)
         self._pos = self._order.index(self.rank)
+
+    def _check_order(self, order: Any) -> None:
+        if order is not None and not (
+                isinstance(order, (list, tuple))
+                and all(isinstance(r, int) and not isinstance(r, bool) for r in order)
+                and sorted(order) == list(range(self.size))):
+            raise ValueError(f"order={order!r} on rank {self.rank}: expected a permutation of the "
+                             f"ranks 0..{self.size - 1}")
 
     @property
     def links(self) -> dict[int, str]:
@@ -153,6 +162,7 @@ class RingBackend(Backend):
         self._check_usable(opname)
         step = algos.Step(self._engine, self.rank, self.size, time.monotonic() + timeout, opname,
                           self._order, self._pos, hdr)
+        step.hosts = self._hosts
         self._drive_locked(step.deadline, opname, lambda: fn(step, *args))
 
     def _drive_locked(self, deadline: float, opname: str, body: Callable[[], None]) -> None:
@@ -238,7 +248,10 @@ class RingBackend(Backend):
             return
         self._error = exc
         peer = getattr(exc, "peer", None)
-        culprit = peer if isinstance(peer, int) else self.rank
+        self._tell_peers(exc, peer if isinstance(peer, int) else self.rank)
+
+    def _tell_peers(self, exc: BaseException, culprit: int) -> None:
+        """Send every peer an abort: ``exc``'s kind, the rank to blame, the bytes consumed."""
         for j, link in enumerate(self._mesh.links):
             if link is not None:
                 self._monitor.send(j, encode_abort(exc, culprit, link.received()))
@@ -672,17 +685,20 @@ class RingBackend(Backend):
         links, state = self._mesh.links, self._state
         if self._error is None and state.failure is None:
             self._await_delivery()
-        problem = None
-        if state.failure is not None:  # report it if data this rank sent is in question
+        # data a peer sent that no call here received proves the ranks disagreed: that is the
+        # cause to report, even when a peer has already left without data of ours (because of it)
+        problem = self._unreceived() if self._error is None and state.failure in (
+            None, state.close_failure) else None
+        if problem is not None:
+            self._tell_peers(problem, self.rank)
+        elif state.failure is not None:  # report it if data this rank sent is in question
             if self._error is None and (self._undelivered() is not None or not all(
                     self._settled(j, link) for j, link in enumerate(links))):
                 problem = self._in_close(state.failure)
-        elif self._error is None:
-            problem = self._unreceived()
-            if problem is not None:
-                for j, link in enumerate(links):
-                    if link is not None:
-                        self._monitor.send(j, encode_abort(problem, self.rank, link.received()))
+                # a peer left holding data of ours learns the cause before it sees our close
+                # (which, alone, says only that the data was not received)
+                peer = getattr(state.failure, "peer", None)
+                self._tell_peers(state.failure, peer if isinstance(peer, int) else self.rank)
         for j, link in enumerate(links):
             if link is not None:
                 self._monitor.send(j, encode_close(link.received()))
@@ -746,6 +762,15 @@ class RingBackend(Backend):
 _TOKEN = np.zeros(1, np.uint8)
 _ALL_REDUCE, _BROADCAST = KIND["all_reduce"], KIND["broadcast"]
 _AVG = ReduceOp.AVG  # (an enum member read from its class costs 0.2 us)
+
+
+def _group_by_host(peers: list[dict]) -> list[list[int]]:
+    """The ranks of each host (by the mesh's host identity), hosts in order of their lowest
+    rank: the same lists on every rank."""
+    hosts: dict[str, list[int]] = {}
+    for rank, facts in enumerate(peers):
+        hosts.setdefault(facts["id"], []).append(rank)
+    return list(hosts.values())
 
 
 def _bytes(x: np.ndarray) -> memoryview:

@@ -82,8 +82,15 @@ class Step:
         self.deadline = deadline
         self.opname = opname
         self.order = range(size) if order is None else order  # ring position -> rank
+        self.hosts = None  # ranks grouped by host, for hierarchical schedules (see all_reduce)
         self.pos = rank if pos is None else pos  # this rank's position: order[pos] == rank
         self.hdr = hdr
+
+    def sub(self, members) -> Step:
+        """The same call over a subset of the ranks (``members``, this rank among them), which
+        form a ring in the order given: the steps of a hierarchical schedule."""
+        return Step(self.engine, self.rank, len(members), self.deadline, self.opname,
+                    tuple(members), members.index(self.rank), self.hdr)
 
     def at(self, pos: int) -> int:
         """The rank at ring position ``pos`` (taken modulo the group size)."""
@@ -149,13 +156,15 @@ def all_reduce(s: Step, x: np.ndarray, ufunc, finish: Callable | None) -> None:
         _all_reduce_direct(s, x, ufunc)
         if finish is not None:
             finish(x)
+    elif s.hosts is not None:
+        _all_reduce_hierarchical(s, x, ufunc, finish)
     else:
         _all_reduce_ring(s, x, ufunc, finish)
 
 
 def _all_reduce_direct(s: Step, x: np.ndarray, ufunc) -> None:
     """Everyone sends x to everyone, then folds all ranks' values in rank order."""
-    peers = [j for j in range(s.size) if j != s.rank]
+    peers = [j for j in s.order if j != s.rank]
     if s.in_place(peers, x.nbytes):
         views = s.exchange_in_place(x, peers, peers)
         fold_in_rank_order(s.rank, x, views, ufunc)
@@ -187,27 +196,62 @@ def fold_in_rank_order(rank: int, x: np.ndarray, bufs: dict, ufunc) -> None:
 def _all_reduce_ring(s: Step, x: np.ndarray, ufunc, finish) -> None:
     """Reduce-scatter then all-gather around the ring, as one pipeline: each segment is
     forwarded piece by piece as soon as its reduction (or arrival) completes."""
+    seg = [x[a:b] for a, b in bounds(x.size, s.size)]  # indexed by ring position
+    ops, arrived = _reduce_scatter_steps(s, seg, ufunc)
+    if finish is not None:  # avg: the sum must be whole before it is divided and sent on
+        s.run(*ops)
+        finish(seg[(s.pos + 1) % s.size])
+        ops, arrived = [], None
+    s.run(*ops, *_all_gather_steps(s, seg, arrived))
+
+
+def _reduce_scatter_steps(s: Step, seg: list, ufunc) -> tuple[list, object]:
+    """The ring's reduce-scatter: after it, this rank holds the full reduction of segment
+    ``pos + 1``. Returns the ops and the last one (later sends wait for it)."""
     n, p = s.size, s.pos
     nxt, prv = s.at(p + 1), s.at(p - 1)
-    seg = [x[a:b] for a, b in bounds(x.size, n)]  # indexed by ring position
     ops, arrived = [], None
-    # reduce-scatter: after n-1 steps this rank holds the full reduction of segment p+1
     for step in range(n - 1):
         out_i, in_i = (p - step) % n, (p - step - 1) % n
         ops.append(s.send(nxt, seg[out_i], gate=arrived))
         arrived = s.reduce_from(prv, seg[in_i], ufunc)
         ops.append(arrived)
-    if finish is not None:  # avg: the sum must be whole before it is divided and sent on
-        s.run(*ops)
-        finish(seg[(p + 1) % n])
-        ops, arrived = [], None
-    # all-gather: pass the finished segments around the ring
+    return ops, arrived
+
+
+def _all_gather_steps(s: Step, seg: list, arrived) -> list:
+    """The ring's all-gather of finished segments, this rank starting with ``pos + 1``."""
+    n, p = s.size, s.pos
+    nxt, prv = s.at(p + 1), s.at(p - 1)
+    ops = []
     for step in range(n - 1):
         out_i, in_i = (p + 1 - step) % n, (p - step) % n
         ops.append(s.send(nxt, seg[out_i], gate=arrived))
         arrived = s.recv(prv, seg[in_i])
         ops.append(arrived)
-    s.run(*ops)
+    return ops
+
+
+def _all_reduce_hierarchical(s: Step, x: np.ndarray, ufunc, finish) -> None:
+    """Ranks on several hosts, the same number on each: a reduce-scatter among the ranks of a
+    host (shared memory), an all_reduce of each shard among the ranks that hold it on every host
+    (the network), then an all-gather on each host. The network carries 1/L of what a flat ring
+    sends across it, L ranks' shards at once. Each shard's value is made once, by the network
+    step, and copied from there, so every rank ends bit-identical."""
+    local = next(h for h in s.hosts if s.rank in h)
+    node = s.sub(local)
+    seg = [x[a:b] for a, b in bounds(x.size, node.size)]
+    ops, _ = _reduce_scatter_steps(node, seg, ufunc)
+    node.run(*ops)
+    shard = (node.pos + 1) % node.size
+    across = s.sub([h[node.pos] for h in s.hosts])
+    if across.size > 1 and use_direct(seg[shard].nbytes, across.size):
+        _all_reduce_direct(across, seg[shard], ufunc)
+    elif across.size > 1:
+        _all_reduce_ring(across, seg[shard], ufunc, None)
+    if finish is not None:
+        finish(seg[shard])
+    node.run(*_all_gather_steps(node, seg, None))
 
 
 # -- broadcast / reduce ---------------------------------------------------------------------

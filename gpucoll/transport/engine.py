@@ -245,6 +245,9 @@ class State:
         self.closed_peers: dict[int, int] = {}  # peer -> bytes it consumed from us, at close
         self.consumed: dict[int, int] = {}  # the same, said by a peer that closed or aborted
         self.ended: set[int] = set()  # peers whose control connection is finished
+        # the failure "a peer closed without receiving data of ours", when it came first: the
+        # rank's own unreceived data may then prove that the ranks disagreed (see close)
+        self.close_failure: GpucollError | None = None
 
 
 class Engine:
@@ -334,14 +337,6 @@ class Engine:
                 op.deadline, op.opname, op.batch = deadline, opname, batch
                 self._post(op)
             self._drive(lambda: batch[0] > 0, deadline)
-        self._check_failure(opname)
-
-    def _check_failure(self, opname: str) -> None:
-        """A failure recorded while the messages moved (an abort, say, after a second thread
-        used the communicator) ends the call too, even though its data came: that data may
-        belong to calls that do not match."""
-        if self.state.failure is not None:
-            raise self._in_op(self.state.failure, opname)
 
     def _alone(self, ops: Sequence[Op], deadline: float, opname: str) -> bool:
         """The common case, every op of one call on a link and direction of its own with
@@ -432,7 +427,6 @@ class Engine:
                     waiting.remove(link)
                     moved = True
             if not (unsent or waiting):
-                self._check_failure(opname)
                 return views
             if moved:
                 idle_since = 0.0

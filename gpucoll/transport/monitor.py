@@ -159,9 +159,10 @@ class Monitor:
         self.state.closed_peers[peer] = consumed
         self.state.consumed[peer] = consumed
         lost = self.unconsumed(peer, consumed)
-        if lost > 0:
-            self._fail(peer, f"rank {peer} closed its communicator without receiving {lost} "
-                             f"bytes this rank sent it")
+        if lost > 0 and self.state.failure is None:
+            self.state.failure = self.state.close_failure = PeerFailure(
+                f"rank {peer} closed its communicator without receiving {lost} bytes this rank "
+                f"sent it", peer=peer)
         self._wake()
 
     def _aborted(self, peer: int, code: int, culprit: int, reason: str) -> None:
