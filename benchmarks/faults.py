@@ -8,7 +8,13 @@ faulty rank writes the time to the store just before it happens) to the error. A
 is only found at the call's deadline (``--deadline``), so for it the table shows the seconds
 past that deadline: the time spent naming the rank that is behind.
 
+``--cost`` measures instead what the always-on guards cost a call, each on its own, as the
+communicator's lean path runs them (best of several timeit repeats, so other load on the
+machine counts little): the frame header built for the call's messages, its check against a
+received header, the progress record's marks, and the fork and second-thread guard.
+
     python benchmarks/faults.py [--ranks 3] [--repeats 5] [--json results/faults.json]
+    python benchmarks/faults.py --cost
 """
 
 from __future__ import annotations
@@ -134,6 +140,54 @@ def run_once(name: str, size: int, transport: str, deadline: float) -> list[tupl
     return sorted(got)
 
 
+def guard_costs(number: int = 200_000, repeat: int = 7) -> list[tuple[str, float]]:
+    """Nanoseconds per call of each always-on guard (best of ``repeat`` timeit runs)."""
+    import threading
+    import timeit
+
+    from gpucoll.backends.ring_algos import FRAME, frame
+    from gpucoll.ops import ReduceOp
+    from gpucoll.progress import KIND, Progress
+
+    x = np.ones(2, np.float32)
+    kind, op, dtype = KIND["all_reduce"], ReduceOp.SUM, x.dtype
+    hdr = frame(kind, 7, dtype, x.size, -1, op)
+    ring = memoryview(np.frombuffer(bytearray(hdr + bytes(64)), np.uint8))  # a received message
+    progress, entry = Progress(), threading.Lock()
+
+    class Comm:  # the attributes the guard reads
+        _forked = False
+
+    comm = Comm()
+    pieces = {
+        "frame header (build)": lambda: frame(kind, 7, dtype, x.size, -1, op),
+        "frame header (check)": lambda: ring[:FRAME.size] != hdr,
+        "progress record (enter, leave)": lambda: (progress.enter(7, kind),
+                                                   progress.leave(True)),
+        "fork and thread guard": lambda: (comm._forked or not entry.acquire(False)
+                                          or entry.release()),
+        "nothing (the timing loop itself)": lambda: None,
+    }
+    best = {name: min(timeit.repeat(fn, number=number, repeat=repeat)) / number * 1e9
+            for name, fn in pieces.items()}
+    loop = best.pop("nothing (the timing loop itself)")
+    return [(name, max(ns - loop, 0.0)) for name, ns in best.items()]
+
+
+def print_costs(json_path: Path) -> None:
+    costs = guard_costs()
+    print("# Cost of the always-on guards per call (ns, best of 7 timeit runs, the loop's own "
+          "cost taken off)")
+    for name, ns in costs:
+        print(f"  {name:<34}{ns:>8.0f}")
+    total = sum(ns for _, ns in costs)
+    print(f"  {'total':<34}{total:>8.0f}")
+    json_path.parent.mkdir(parents=True, exist_ok=True)
+    json_path.write_text(json.dumps({"guard_costs_ns": dict(costs), "total_ns": total},
+                                    indent=1))
+    print(f"# wrote {json_path}")
+
+
 def main(argv: list[str] | None = None) -> None:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--ranks", type=int, default=3)
@@ -141,7 +195,13 @@ def main(argv: list[str] | None = None) -> None:
     parser.add_argument("--deadline", type=float, default=2.0,
                         help="the call deadline in the stopped-rank scenario (s)")
     parser.add_argument("--json", type=Path, default=DEFAULT_JSON)
+    parser.add_argument("--cost", action="store_true",
+                        help="measure what the always-on guards cost a call instead")
     args = parser.parse_args(argv)
+    if args.cost:
+        print_costs(args.json.with_name("guard_costs.json") if args.json == DEFAULT_JSON
+                    else args.json)
+        return
     rows = []
     print(f"# Seconds from a fault to the error on every other rank ({args.ranks} ranks, "
           f"{args.repeats} groups each; 'stopped': seconds past the {args.deadline:g} s "

@@ -45,6 +45,7 @@ from gpucoll.arrays import (
     write_back,
 )
 from gpucoll.backends.base import Backend
+from gpucoll.batch import PointToPointCalls
 from gpucoll.dumps import Flight
 from gpucoll.errors import (
     CollectiveMismatch,
@@ -54,10 +55,16 @@ from gpucoll.errors import (
     StoreError,
     UsageError,
 )
+from gpucoll.fused import FusedCalls
+from gpucoll.groups import GroupCalls
+from gpucoll.guard import entry as _entry
+from gpucoll.objects import ObjectCalls
+from gpucoll.outplace import OutOfPlaceCalls
 from gpucoll.progress import KIND
-from gpucoll.recorder import Recorder, clock, pack, size_from_env, stream_id
+from gpucoll.recorder import NO_CALL, Recorder, clock, pack, size_from_env, stream_id
 from gpucoll.signature import SignatureCheck
 from gpucoll.store.gather import Liveness, agree_survivors, gather, leave_group, wait_for_ranks
+from gpucoll.uneven import UnevenCalls
 from gpucoll.validation import VALID_OPS, Call, check_timeout
 from gpucoll.work import Work
 
@@ -72,34 +79,13 @@ def _forked() -> None:
 os.register_at_fork(after_in_child=_forked)
 
 
-def _entry(method: Callable) -> Callable:
-    """A public call: refused in a forked child, and while another thread is inside a call."""
-    name = method.__name__.lstrip("_")
-
-    @functools.wraps(method)
-    def call(self: Communicator, *args: Any, **kwargs: Any) -> Any:
-        if self._forked:
-            raise self._in_child(name)
-        if not self._entry.acquire(blocking=False):
-            raise self._concurrent(name)
-        self._inside = name
-        try:
-            return method(self, *args, **kwargs)
-        except GpucollError as exc:
-            self._flight.failed(exc)  # the flight recorder dumps on the group's first failure
-            raise
-        finally:
-            self._entry.release()
-
-    return call
-
-
 def debug_enabled() -> bool:
     """GPUCOLL_DEBUG=1 (any value but empty or 0) turns on the cross-rank signature check."""
     return os.environ.get("GPUCOLL_DEBUG", "") not in ("", "0")
 
 
-class Communicator:
+class Communicator(OutOfPlaceCalls, UnevenCalls, ObjectCalls, PointToPointCalls, FusedCalls,
+                   GroupCalls):
     """A group of ``size`` ranks; this process is ``rank``; ``backend`` names the engine.
 
     Every method is collective (all ranks of the group call it, in the same order) except
@@ -149,13 +135,15 @@ class Communicator:
 
     # -- reductions, in place ---------------------------------------------------------------
 
-    def all_reduce(self, x: Any, op: Any = "sum", *, async_op: bool = False,
+    def all_reduce(self, x: Any, op: Any = "sum", *, out: Any = None, async_op: bool = False,
                    timeout: float | None = None, stream: Any = None) -> Any:
         """Combine ``x`` over all ranks with ``op``, in place; returns ``x``.
 
-        Every rank gets a bit-identical result (a fixed reduction order).
+        Every rank gets a bit-identical result (a fixed reduction order). With ``out`` the
+        result lands there instead, ``x`` is only read, and ``out`` is returned.
         """
-        if type(x) is np.ndarray and not async_op and timeout is None and stream is None:
+        if (type(x) is np.ndarray and not async_op and timeout is None and stream is None
+                and out is None):
             lean = self._lean_backend
             try:
                 rop = VALID_OPS.get((op, x.dtype))
@@ -164,12 +152,14 @@ class Communicator:
             if lean is not None and rop is not None and x.flags.writeable and self._lean(
                     "all_reduce", _ALL_REDUCE, lean.host_all_reduce, x, rop):
                 return x
-        return self._all_reduce(x, op, async_op, timeout, stream)
+        return self._all_reduce(x, op, async_op, timeout, stream, out)
 
     @_entry
     def _all_reduce(self, x: Any, op: Any, async_op: bool, timeout: float | None,
-                    stream: Any) -> Any:
+                    stream: Any, out: Any = None) -> Any:
         c = self._call("all_reduce")
+        if out is not None:
+            return self._all_reduce_out(c, x, out, op, async_op, timeout, stream)
         ref = c.array(x, "x", writable=True)
         rop = c.op(op, ref.dtype)
         t = c.timeout(timeout, self.timeout)
@@ -179,10 +169,16 @@ class Communicator:
                            x, async_op, stream, ref, x)
 
     @_entry
-    def reduce(self, x: Any, root: int = 0, op: Any = "sum", *, async_op: bool = False,
-               timeout: float | None = None, stream: Any = None) -> Any:
-        """Combine ``x`` over all ranks into root's ``x``; returns ``x`` (unchanged off root)."""
+    def reduce(self, x: Any, root: int = 0, op: Any = "sum", *, out: Any = None,
+               async_op: bool = False, timeout: float | None = None, stream: Any = None) -> Any:
+        """Combine ``x`` over all ranks into root's ``x``; returns ``x`` (unchanged off root).
+
+        With ``out`` the result lands in root's ``out`` instead and ``x`` is only read; returns
+        ``out``. Other ranks may pass ``out=None`` (their ``out`` is never written).
+        """
         c = self._call("reduce")
+        if out is not None:
+            return self._reduce_out(c, x, out, root, op, async_op, timeout, stream)
         root = c.rank_arg(root, "root")
         ref = c.array(x, "x", writable=self.rank == root)
         rop = c.op(op, ref.dtype)
@@ -192,22 +188,28 @@ class Communicator:
         return self._issue(c, seq, lambda: b.reduce(ref, root, rop, timeout=t, stream=stream),
                            x, async_op, stream, ref, x)
 
-    def broadcast(self, x: Any, root: int = 0, *, async_op: bool = False,
+    def broadcast(self, x: Any, root: int = 0, *, out: Any = None, async_op: bool = False,
                   timeout: float | None = None, stream: Any = None) -> Any:
-        """Copy root's ``x`` into every rank's ``x`` (same shape and dtype); returns ``x``."""
+        """Copy root's ``x`` into every rank's ``x`` (same shape and dtype); returns ``x``.
+
+        With ``out`` root's ``x`` lands in every rank's ``out`` (root's too) and ``x`` is only
+        read on root (other ranks may pass ``x=None``); returns ``out``.
+        """
         if (type(x) is np.ndarray and type(root) is int and not async_op and timeout is None
-                and stream is None and 0 <= root < self.size
+                and stream is None and out is None and 0 <= root < self.size
                 and x.dtype in _LEAN_DTYPES and (x.flags.writeable or root == self.rank)):
             lean = self._lean_backend
             if lean is not None and self._lean("broadcast", _BROADCAST, lean.host_broadcast, x,
                                                root):
                 return x
-        return self._broadcast(x, root, async_op, timeout, stream)
+        return self._broadcast(x, root, async_op, timeout, stream, out)
 
     @_entry
     def _broadcast(self, x: Any, root: Any, async_op: bool, timeout: float | None,
-                   stream: Any) -> Any:
+                   stream: Any, out: Any = None) -> Any:
         c = self._call("broadcast")
+        if out is not None:
+            return self._broadcast_out(c, x, out, root, async_op, timeout, stream)
         root = c.rank_arg(root, "root")
         ref = c.array(x, "x", writable=self.rank != root)
         t = c.timeout(timeout, self.timeout)
@@ -379,7 +381,9 @@ class Communicator:
         if color is not None:
             color = c.integer(color, "color", expected="an int or None")
         key = c.integer(key, "key")
-        t = c.timeout(timeout, self.timeout)
+        return self._split(c, color, key, c.timeout(timeout, self.timeout))
+
+    def _split(self, c: Call, color: int | None, key: int, t: float) -> Communicator | None:
         seq = self._signature(c, t, None)
         n = self._splits
         self._splits += 1
@@ -619,12 +623,17 @@ class Communicator:
         if check is not None or (staged is not None and staged.array is not target):
             call = _wrapped(call, check, timeout, staged, target)
         rec = self._recorder
+        if rec.current is NO_CALL:  # a call that kept no signature (an object's send)
+            rec.current = (-1 if seq is None else seq, KIND.get(c.name, 0), -1, -1, -1, -1,
+                           -1, 0)
         if stream is not None:
             rec.on_stream(stream_id(stream))
         if async_op:
             call = self._queued(seq, 0 if seq is None else KIND[c.name], call, rec.issued())
+            rec.current = NO_CALL
             return self._backend.run_async(call, stream=stream).bind(result, c.where)
         call = self._timed(call) if seq is None else self._tracked(seq, KIND[c.name], call)
+        rec.current = NO_CALL
         self._backend.run_sync(call)
         return result
 
@@ -697,7 +706,7 @@ class Communicator:
         """The sequence number of this collective (after the debug check, when it is on)."""
         seq = self._seq
         self._seq += 1
-        self._recorder.signature(seq, KIND[c.name], ref, fields)
+        self._recorder.signature(seq, KIND.get(c.name, 0), ref, fields)
         if self._check is None:
             return seq
         sig = {"call": c.name, "dtype": None, "shape": None, **fields}
@@ -708,7 +717,7 @@ class Communicator:
 
     def _pair_signature(self, c: Call, ref: ArrayRef, peer: int,
                         sending: bool) -> Callable[[float], None] | None:
-        self._recorder.point_to_point(KIND[c.name], ref, peer)
+        self._recorder.point_to_point(KIND.get(c.name, 0), ref, peer)
         if self._check is None:
             return None
         sig = {"call": c.name, "dtype": ref.dtype.name, "shape": list(ref.shape),

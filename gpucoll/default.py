@@ -203,3 +203,94 @@ def barrier(**kwargs: Any) -> Work | None:
 def split(color: int | None, key: int = 0, **kwargs: Any) -> Communicator | None:
     """``Communicator.split`` on the default communicator."""
     return get_default().split(color, key, **kwargs)
+
+
+def isend(x: Any, dst: int, **kwargs: Any) -> Work:
+    """``Communicator.isend`` on the default communicator."""
+    return get_default().isend(x, dst, **kwargs)
+
+
+def irecv(x: Any, src: int, **kwargs: Any) -> Work:
+    """``Communicator.irecv`` on the default communicator."""
+    return get_default().irecv(x, src, **kwargs)
+
+
+def batch(**kwargs: Any) -> Any:
+    """``Communicator.batch`` on the default communicator."""
+    return get_default().batch(**kwargs)
+
+
+def batch_isend_irecv(ops: Any, **kwargs: Any) -> list[Work]:
+    """``Communicator.batch_isend_irecv`` on the default communicator."""
+    return get_default().batch_isend_irecv(ops, **kwargs)
+
+
+def all_gather_v(x: Any, **kwargs: Any) -> Any:
+    """``Communicator.all_gather_v`` on the default communicator."""
+    return get_default().all_gather_v(x, **kwargs)
+
+
+def gather_v(x: Any, root: int = 0, **kwargs: Any) -> Any:
+    """``Communicator.gather_v`` on the default communicator."""
+    return get_default().gather_v(x, root, **kwargs)
+
+
+def scatter_v(chunks: Any = None, root: int = 0, **kwargs: Any) -> Any:
+    """``Communicator.scatter_v`` on the default communicator."""
+    return get_default().scatter_v(chunks, root, **kwargs)
+
+
+def all_to_all_v(chunks: Any, **kwargs: Any) -> Any:
+    """``Communicator.all_to_all_v`` on the default communicator."""
+    return get_default().all_to_all_v(chunks, **kwargs)
+
+
+def reduce_scatter_v(x: Any, counts: Any, op: Any = "sum", **kwargs: Any) -> Any:
+    """``Communicator.reduce_scatter_v`` on the default communicator."""
+    return get_default().reduce_scatter_v(x, counts, op, **kwargs)
+
+
+def all_reduce_many(arrays: Any, op: Any = "sum", **kwargs: Any) -> Any:
+    """``Communicator.all_reduce_many`` on the default communicator."""
+    return get_default().all_reduce_many(arrays, op, **kwargs)
+
+
+def broadcast_object(obj: Any = None, root: int = 0, **kwargs: Any) -> Any:
+    """``Communicator.broadcast_object`` on the default communicator."""
+    return get_default().broadcast_object(obj, root, **kwargs)
+
+
+def all_gather_object(obj: Any, **kwargs: Any) -> list:
+    """``Communicator.all_gather_object`` on the default communicator."""
+    return get_default().all_gather_object(obj, **kwargs)
+
+
+def gather_object(obj: Any, root: int = 0, **kwargs: Any) -> Any:
+    """``Communicator.gather_object`` on the default communicator."""
+    return get_default().gather_object(obj, root, **kwargs)
+
+
+def scatter_object(objs: Any = None, root: int = 0, **kwargs: Any) -> Any:
+    """``Communicator.scatter_object`` on the default communicator."""
+    return get_default().scatter_object(objs, root, **kwargs)
+
+
+def send_object(obj: Any, dst: int, **kwargs: Any) -> None:
+    """``Communicator.send_object`` on the default communicator."""
+    get_default().send_object(obj, dst, **kwargs)
+
+
+def recv_object(src: int, **kwargs: Any) -> Any:
+    """``Communicator.recv_object`` on the default communicator."""
+    return get_default().recv_object(src, **kwargs)
+
+
+def new_group(ranks: Any, **kwargs: Any) -> Communicator | None:
+    """``Communicator.new_group`` on the default communicator: collective over all its ranks,
+    listed or not (as torch.distributed.new_group)."""
+    return get_default().new_group(ranks, **kwargs)
+
+
+def monitored_barrier(**kwargs: Any) -> None:
+    """``Communicator.monitored_barrier`` on the default communicator."""
+    get_default().monitored_barrier(**kwargs)

@@ -18,6 +18,9 @@ import dataclasses
 KINDS = (
     "", "all_reduce", "broadcast", "reduce", "all_gather", "gather", "scatter",
     "reduce_scatter", "all_to_all", "barrier", "send", "recv", "split", "scatter header",
+    "all_gather_v", "gather_v", "scatter_v", "all_to_all_v", "reduce_scatter_v",
+    "all_reduce_many", "broadcast_object", "all_gather_object", "gather_object",
+    "scatter_object", "new_group", "monitored_barrier",
 )
 KIND = {name: code for code, name in enumerate(KINDS)}
 

@@ -91,9 +91,12 @@ class Recorder:
         """Collective ``seq`` of ``kind`` (``progress.KIND``) passed its checks: ``ref`` is its
         array (or None), ``fields`` its signature's ``root`` and ``op``."""
         op = fields.get("op")
+        if op is not None:  # a ReduceOp, or its name (as some calls give it)
+            op = OP_CODES.get(op if type(op) is str else op._value_, -1)
+        root = fields.get("root", -1)
         self.current = (seq, kind, -1 if ref is None else ref.dtype.num,
-                        -1 if ref is None else ref.count, fields.get("root", -1),
-                        -1 if op is None else OP_CODES[op._value_], -1, 0)
+                        -1 if ref is None else ref.count, root if type(root) is int else -1,
+                        -1 if op is None else op, -1, 0)
 
     def point_to_point(self, kind: int, ref: Any, peer: int) -> None:
         """A send or receive with ``peer`` passed its checks."""

@@ -103,3 +103,23 @@ class CompletedWork(Work):
 
     def _wait(self, timeout: float | None) -> bool:
         return True
+
+
+class Deferred(Work):
+    """A call whose result it makes itself, once it runs (its size is known only then, as for
+    the uneven collectives): ``inner`` is the call's own handle, and the call puts its result in
+    ``box[0]``, which ``wait()`` returns."""
+
+    def __init__(self, inner: Work, box: list):
+        self._inner, self._box = inner, box
+        self._label = inner._label
+
+    def is_completed(self) -> bool:
+        return self._inner.is_completed()
+
+    def _wait(self, timeout: float | None) -> bool:
+        return self._inner._wait(timeout)
+
+    def wait(self, timeout: float | None = None) -> Any:
+        self._inner.wait(timeout)
+        return self._box[0]

@@ -106,8 +106,55 @@ class FakeDeviceArray:
         self._rt.synchronize()
         return self._host.copy()
 
+    def __getitem__(self, key: Any) -> FakeDeviceView:
+        """A view sharing this memory (CuPy's basic slicing), e.g. rows of a result."""
+        return FakeDeviceView(self, self._host[key])
+
+    def reshape(self, *shape: Any) -> FakeDeviceView:
+        return FakeDeviceView(self, self._host.reshape(*shape))
+
+    def __setitem__(self, key: Any, value: Any) -> None:
+        """Write from the host, after all queued work (a kernel on the current stream in
+        CuPy; here the streams are drained first)."""
+        self._rt.synchronize()
+        self._host[key] = value
+
     def __del__(self):
         self._rt.release(self._host)
+
+
+class FakeDeviceView:
+    """Part of a ``FakeDeviceArray`` (C-contiguous), with the same interface."""
+
+    def __init__(self, owner: FakeDeviceArray, host: np.ndarray):
+        if not host.flags.c_contiguous:
+            raise ValueError("FakeDeviceView: only C-contiguous views are emulated")
+        self._owner, self._host = owner, host
+        self._rt, self.device, self.stream = owner._rt, owner.device, owner.stream
+
+    shape = property(lambda self: self._host.shape)
+    dtype = property(lambda self: self._host.dtype)
+    size = property(lambda self: self._host.size)
+
+    @property
+    def __cuda_array_interface__(self) -> dict:
+        return {"shape": self._host.shape, "typestr": self._host.dtype.str,
+                "data": (self._host.__array_interface__["data"][0], False), "version": 3,
+                "strides": None, "stream": self.stream}
+
+    def get(self) -> np.ndarray:
+        self._rt.synchronize()
+        return self._host.copy()
+
+    def __getitem__(self, key: Any) -> FakeDeviceView:
+        return FakeDeviceView(self._owner, self._host[key])
+
+    def reshape(self, *shape: Any) -> FakeDeviceView:
+        return FakeDeviceView(self._owner, self._host.reshape(*shape))
+
+    def __setitem__(self, key: Any, value: Any) -> None:
+        self._rt.synchronize()
+        self._host[key] = value
 
 
 # ---- streams and events --------------------------------------------------------------------

@@ -41,14 +41,8 @@ class RecordingBackend(Backend):
     def gather(self, x, out, root, *, timeout, stream=None):
         self._record("gather", x, out, root)
 
-    def scatter(self, x, out, root, *, timeout, stream=None):
-        self._record("scatter", x, out, root)
-
     def reduce_scatter(self, x, out, op, *, timeout, stream=None):
         self._record("reduce_scatter", x, out, op)
-
-    def all_to_all(self, x, out, *, timeout, stream=None):
-        self._record("all_to_all", x, out)
 
     def send(self, x, dst, *, timeout, stream=None):
         self._record("send", x, dst)
@@ -58,6 +52,36 @@ class RecordingBackend(Backend):
 
     def barrier(self, *, timeout):
         self._record("barrier")
+
+    def all_reduce_out(self, x, out, op, *, timeout, stream=None):
+        self._record("all_reduce_out", x, out, op)
+
+    def reduce_out(self, x, out, root, op, *, timeout, stream=None):
+        self._record("reduce_out", x, out, root, op)
+
+    def broadcast_out(self, x, out, root, *, timeout, stream=None):
+        self._record("broadcast_out", x, out, root)
+
+    def exchange(self, sends, recvs, layout, *, timeout, stream=None):
+        self._record("exchange", sends, recvs, layout)
+
+    def all_gather_v(self, x, out, counts, layout, *, timeout, stream=None):
+        self._record("all_gather_v", x, out, counts, layout)
+
+    def reduce_scatter_v(self, x, out, counts, op, layout, *, timeout, stream=None):
+        self._record("reduce_scatter_v", x, out, counts, op, layout)
+
+    def all_to_all(self, x, out, *, timeout, stream=None):
+        """Records the call; host buffers come back as if every rank had sent ``x``."""
+        self._record("all_to_all", x, out)
+        if x.host is not None and out.host is not None:
+            out.host[:] = x.host
+
+    def scatter(self, x, out, root, *, timeout, stream=None):
+        """Records the call; a host ``out`` gets slot 0 of root's ``x`` when this is root."""
+        self._record("scatter", x, out, root)
+        if x is not None and x.host is not None and out.host is not None:
+            out.host[:] = x.host[:out.count]
 
     def run_async(self, call, *, stream=None):
         call()

@@ -180,3 +180,7 @@ def test_every_operation_runs_correctly_on_two_ranks(store_addr):
         assert all(c["wrong"] == 0 for c in cells), row
     assert text.count("# Out of bounds values : 0 OK") == 7
     assert "# Library gpucoll: backend ring, transport " in text
+    # all_reduce, broadcast and reduce (the rooted rows) fill both placements, as nccl-tests
+    both = [r for r in log["rows"] if None not in (r["out_of_place"]["time"],
+                                                    r["in_place"]["time"])]
+    assert len(both) == 3 * 2 * 3 and all(r in both for r in log["rows"] if r["root"] >= 0)

@@ -12,8 +12,8 @@ import pytest
 from launch_helpers import launching
 
 EXAMPLES = os.path.join(os.path.dirname(os.path.dirname(os.path.abspath(__file__))), "examples")
-NAMES = ["quickstart", "train_mlp", "normalize", "softmax_argmax", "ring_allreduce",
-         "hierarchical", "spmd", "shrink"]
+NAMES = ["quickstart", "train_mlp", "train_epochs", "normalize", "softmax_argmax",
+         "ring_allreduce", "hierarchical", "spmd", "shrink"]
 LAUNCH_FLAGS = {"shrink": ["--keep-going"]}  # it loses a rank on purpose and carries on
 
 
@@ -57,6 +57,15 @@ def test_training_example_reports_a_falling_loss_and_identical_parameters(launch
     assert job.finish(timeout=110) == 0, job.text()
     line = check_line(job.out(), "train_mlp")
     assert "over 40 steps" in line and "parameters identical on 4 ranks: True" in line
+
+
+def test_epoch_example_shows_uneven_last_batches_and_identical_parameters(launch):
+    job = launch(["-n", "4", "--timeout", "100", example("train_epochs"), "--epochs", "4"])
+    assert job.finish(timeout=110) == 0, job.text()
+    line = check_line(job.out(), "train_epochs")
+    assert "over 4 epochs, last batch of each split 10/10/9/9 rows" in line
+    assert "parameters bit-identical on 4 ranks: True" in line
+    assert "rank 0's checkpoint matches every rank: True" in line
 
 
 def test_a_wrong_result_on_one_rank_fails_every_rank(launch, tmp_path):

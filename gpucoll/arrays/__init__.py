@@ -34,7 +34,7 @@ class ArrayRef:
 
     array: Any
     kind: str
-    ptr: int
+    _ptr: int | None  # None: read from ``host`` when first asked (see ``ptr``)
     shape: tuple[int, ...]
     dtype: np.dtype
     count: int
@@ -43,7 +43,8 @@ class ArrayRef:
     device: int | None = None
     stream: int | None = None
 
-    def __init__(self, array: Any, kind: str, ptr: int, shape: tuple[int, ...], dtype: np.dtype,
+    def __init__(self, array: Any, kind: str, ptr: int | None, shape: tuple[int, ...],
+                 dtype: np.dtype,
                  count: int, nbytes: int, host: np.ndarray | None = None,
                  device: int | None = None, stream: int | None = None):
         # Two are built per call: the slots' own setters cost half of the frozen dataclass's
@@ -58,6 +59,17 @@ class ArrayRef:
         _set_host(self, host)
         _set_device(self, device)
         _set_stream(self, stream)
+
+    @property
+    def ptr(self) -> int:
+        """The address of the first element. A host reference reads it from its NumPy view
+        only when asked (NumPy's array interface costs over a microsecond per call, and
+        collectives on host memory rarely need the address)."""
+        ptr = self._ptr
+        if ptr is None:
+            ptr = self.host.__array_interface__["data"][0]
+            _set_ptr(self, ptr)
+        return ptr
 
     @property
     def writable(self) -> bool:

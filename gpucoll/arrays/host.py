@@ -106,10 +106,7 @@ class HostAdapter(Adapter):
                 )
             arr = obj = _contiguous_copy(arr, name)
         flat = arr.ravel()  # a view: arr is C-contiguous
-        return ArrayRef(
-            obj, "host", arr.__array_interface__["data"][0], arr.shape, arr.dtype, flat.size,
-            arr.nbytes, flat,
-        )
+        return ArrayRef(obj, "host", None, arr.shape, arr.dtype, flat.size, arr.nbytes, flat)
 
     def empty(self, ref: ArrayRef, shape: tuple[int, ...]) -> np.ndarray:
         return np.empty(shape, ref.dtype)
@@ -119,10 +116,8 @@ class HostAdapter(Adapter):
 
     def view(self, ref: ArrayRef, start: int, count: int) -> ArrayRef:
         part = ref.host[start:start + count]
-        size = ref.dtype.itemsize
-        return ArrayRef(
-            part, "host", ref.ptr + start * size, (count,), ref.dtype, count, count * size, part
-        )
+        return ArrayRef(part, "host", None, (count,), ref.dtype, count,
+                        count * ref.dtype.itemsize, part)
 
     def write_back(self, ref: ArrayRef, obj: Any) -> None:
         np.copyto(to_numpy(obj), ref.host.reshape(ref.shape))

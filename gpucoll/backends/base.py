@@ -12,12 +12,29 @@ Buffer layout, ``n`` = elements of one slot:
   reduce_scatter                x: size*n, out: n (slot `rank` reduced over ranks)
   all_to_all                    x: size*n, out: size*n (out slot j = rank j's x slot `rank`)
   send/recv                     x: n
+
+Out of place (``x`` is left as it is; the ring copies it into ``out`` first, NCCL reads ``x``):
+  all_reduce_out                x: n, out: n
+  reduce_out                    x: n, out: n on root (None elsewhere)
+  broadcast_out                 x: n on root (None elsewhere), out: n
+
+Uneven sizes (``counts[r]``: rank r's elements; ``layout``: a digest of the counts and trailing
+shape that every rank must agree on, which the ring stamps on its messages):
+  exchange                      sends, recvs: [(peer, ref)]; one grouped round of messages that
+                                progress together; between two ranks they pair in order; a
+                                send to this rank pairs with a receive from it (a copy)
+  all_gather_v                  x: counts[rank], out: sum(counts), slot r at sum(counts[:r])
+  reduce_scatter_v              x: sum(counts) (slots as all_gather_v's out), out: counts[rank]
+
+Many arrays, and point to point in one go:
+  all_reduce_coalesced          xs: arrays, each reduced in place, fused where the backend can
+  batch_p2p                     ops: [(is_send, ref, peer)] -> one Work per op, all posted together
 """
 
 from __future__ import annotations
 
 import abc
-from collections.abc import Callable
+from collections.abc import Callable, Sequence
 from typing import TYPE_CHECKING, Any, ClassVar
 
 from gpucoll.errors import BackendUnavailable, GpucollError
@@ -104,6 +121,54 @@ class Backend(abc.ABC):
     @abc.abstractmethod
     def barrier(self, *, timeout: float) -> None:
         ...
+
+    # -- out of place, uneven sizes, many arrays (see the module docstring for the layouts) --
+
+    @abc.abstractmethod
+    def all_reduce_out(self, x: ArrayRef, out: ArrayRef, op: ReduceOp, *, timeout: float,
+                       stream: Any = None) -> None:
+        ...
+
+    @abc.abstractmethod
+    def reduce_out(self, x: ArrayRef, out: ArrayRef | None, root: int, op: ReduceOp, *,
+                   timeout: float, stream: Any = None) -> None:
+        ...
+
+    @abc.abstractmethod
+    def broadcast_out(self, x: ArrayRef | None, out: ArrayRef, root: int, *, timeout: float,
+                      stream: Any = None) -> None:
+        ...
+
+    @abc.abstractmethod
+    def exchange(self, sends: Sequence[tuple[int, ArrayRef]],
+                 recvs: Sequence[tuple[int, ArrayRef]], layout: int, *, timeout: float,
+                 stream: Any = None) -> None:
+        ...
+
+    @abc.abstractmethod
+    def all_gather_v(self, x: ArrayRef, out: ArrayRef, counts: Sequence[int], layout: int, *,
+                     timeout: float, stream: Any = None) -> None:
+        ...
+
+    @abc.abstractmethod
+    def reduce_scatter_v(self, x: ArrayRef, out: ArrayRef, counts: Sequence[int], op: ReduceOp,
+                         layout: int, *, timeout: float, stream: Any = None) -> None:
+        ...
+
+    def all_reduce_coalesced(self, xs: Sequence[ArrayRef], op: ReduceOp, *, timeout: float,
+                             stream: Any = None) -> None:
+        """Reduce every array of ``xs`` in place; by default one all_reduce each, in order
+        (backends that can fuse them override this)."""
+        for x in xs:
+            self.all_reduce(x, op, timeout=timeout, stream=stream)
+
+    def batch_p2p(self, ops: Sequence[tuple[bool, ArrayRef, int]], *, timeout: float,
+                  stream: Any = None) -> list[Work]:
+        """Post sends (``is_send``) and receives together and return a Work for each, in order;
+        by default each through ``isend``/``irecv`` (which must then progress side by side)."""
+        return [self.isend(x, peer, timeout=timeout, stream=stream) if sending else
+                self.irecv(x, peer, timeout=timeout, stream=stream)
+                for sending, x, peer in ops]
 
     def isend(self, x: ArrayRef, dst: int, *, timeout: float, stream: Any = None) -> Work:
         """Start a send; by default one more call in issue order (backends that can let sends

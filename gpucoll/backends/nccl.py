@@ -20,6 +20,7 @@ from typing import Any
 from gpucoll import cuda
 from gpucoll.backends import nccl_boot
 from gpucoll.backends.base import Backend
+from gpucoll.backends.nccl_grouped import GroupedNccl
 from gpucoll.backends.nccl_types import reduce_plan, wire
 from gpucoll.backends.nccl_watch import EventWork, Pending, Watchdog, translate
 from gpucoll.errors import BackendUnavailable, GpucollError
@@ -34,7 +35,7 @@ def same_stream(a: int, b: int) -> bool:
     return a == b or (a in (0, cuda.STREAM_LEGACY) and b in (0, cuda.STREAM_LEGACY))
 
 
-class NcclBackend(Backend):
+class NcclBackend(GroupedNccl, Backend):
     """One NCCL communicator over ``size`` ranks, one CUDA device per rank.
 
     Constructing it is collective: all ranks meet in ``store`` (the communicator's namespace),

@@ -31,6 +31,7 @@ import numpy as np
 
 from gpucoll.backends import ring_algos as algos
 from gpucoll.backends.base import Backend
+from gpucoll.backends.ring_grouped import GroupedRing
 from gpucoll.errors import CollectiveMismatch, CollectiveTimeout, GpucollError, PeerFailure
 from gpucoll.ops import ReduceOp, finish_avg, fp_quiet, fp_restore, host_ufunc
 from gpucoll.progress import IN_CALL, KIND, SLOTS, Progress, diagnose, kind_name
@@ -61,7 +62,7 @@ class _CallName:
         return f"{kind_name(self.code)} #{self.seq}" if self.code else self.kind
 
 
-class RingBackend(Backend):
+class RingBackend(GroupedRing, Backend):
     """Host collectives for ``size`` ranks; ``store`` is this group's store namespace.
 
     Buffers are host NumPy views (``ArrayRef.host``); device arrays reach this backend through
@@ -419,13 +420,13 @@ class RingBackend(Backend):
         """Every rank puts ``x`` in every peer's ring and folds what it finds in its own, in
         rank order, reading the peers' values where they lie."""
         links = self._peer_links
-        views = self._engine.swap_small(links, links, _bytes(x), hdr, deadline, name)
+        found = self._engine.swap_small(links, links, _bytes(x), hdr, deadline, name)
         token = fp_quiet()
         try:
-            dtype = x.dtype
-            algos.fold_in_rank_order(self.rank, x, {link.peer: v.view(dtype)
-                                                    for link, v in zip(links, views, strict=True)},
-                                     host_ufunc(op))
+            dtype, count = x.dtype, x.size
+            algos.fold_in_rank_order(self.rank, x, {
+                link.peer: link.rx.typed(at, dtype, count)
+                for link, at in zip(links, found, strict=True)}, host_ufunc(op))
             if op is _AVG:
                 finish_avg(x, self.size)
         finally:
@@ -440,8 +441,8 @@ class RingBackend(Backend):
             engine.swap_small(self._peer_links, (), _bytes(x), hdr, deadline, name)
             return
         link = self._mesh.links[root]
-        view, = engine.swap_small((), (link,), _bytes(x), hdr, deadline, name)
-        np.copyto(x, view.view(x.dtype))
+        at, = engine.swap_small((), (link,), _bytes(x), hdr, deadline, name)
+        np.copyto(x, link.rx.typed(at, x.dtype, x.size))
         link.release(x.nbytes + algos.FRAME.size)
 
     # -- point to point --------------------------------------------------------------------

@@ -31,8 +31,10 @@ CHAIN_CHUNK = 4 << 20  # bytes per round of the reduce chain (its scratch size)
 
 
 # -- frame headers ---------------------------------------------------------------------------
-# Every message starts with one: magic, call kind, reduce op, dtype, flags (unused), root, spare,
-# sequence number, element count. The receiver compares it with the header of its own call.
+# Every message starts with one: magic, call kind, reduce op, dtype, flags (unused), root, layout
+# (0, or for the uneven collectives a digest of the counts and trailing shape every rank must
+# agree on: ``ring_grouped``), sequence number, element count. The receiver compares it with the
+# header of its own call.
 FRAME = struct.Struct("<4sBBBBiIQQ")
 MAGIC = FRAME_MAGIC
 _DTYPE_CODES: dict[np.dtype, int] = {}
@@ -48,6 +50,11 @@ def dtype_code(dtype: np.dtype) -> int:
     return code
 
 
+def op_code(op: ReduceOp | None) -> int:
+    """A reduce op's code in frame headers (0: none)."""
+    return 0 if op is None else _OP_CODES[op]
+
+
 def frame(kind: int, seq: int, dtype: np.dtype, count: int, root: int = -1,
           op: ReduceOp | None = None) -> bytes:
     """The frame header of every message of one call (or one point-to-point message)."""
@@ -57,7 +64,7 @@ def frame(kind: int, seq: int, dtype: np.dtype, count: int, root: int = -1,
 
 def describe_frame(data: bytes) -> str:
     """``all_reduce #17 (float32, 4 elements, op=sum)``: a frame header in words."""
-    magic, kind, op, dtype, _, root, _, seq, count = FRAME.unpack(data)
+    magic, kind, op, dtype, _, root, layout, seq, count = FRAME.unpack(data)
     if magic != MAGIC:
         return f"unknown bytes {data[:16].hex()} (not a gpucoll frame: the streams are out of step)"
     name = SUPPORTED_DTYPES[dtype - 1] if 0 < dtype <= len(SUPPORTED_DTYPES) else f"dtype {dtype}"
@@ -67,6 +74,8 @@ def describe_frame(data: bytes) -> str:
         parts.append(f"op={_OPS[op].value}" if op in _OPS else f"op {op}")
     if root >= 0:
         parts.append(f"root={root}")
+    if layout:
+        parts.append(f"counts/shape digest {layout:08x}")
     number = f"message #{seq}" if what in ("send", "recv") else f"#{seq}"
     return f"{what} {number} ({', '.join(parts)})"
 

@@ -24,6 +24,7 @@ from gpucoll.arrays import ArrayRef, as_ref
 from gpucoll.backends.base import Backend
 from gpucoll.errors import CollectiveTimeout, GpucollError
 from gpucoll.ops import ReduceOp
+from gpucoll.work import CompletedWork
 
 CHUNK_BYTES = 4 << 20
 
@@ -188,6 +189,84 @@ class StagedBackend(Backend):
                 rt.memcpy_async(ref.ptr, buf.ptr, ref.nbytes, s)
         if backs:  # the pinned buffers must outlive the copies
             _wait(rt.record_event(s), deadline, "host-to-device copy", self.rank)
+
+    # ---- out of place: a device copy into out, then the in-place pipeline on it ------------
+
+    def all_reduce_out(self, x: ArrayRef, out: ArrayRef, op: ReduceOp, *, timeout: float,
+                       stream: Any = None):
+        if x.kind != "device" and out.kind != "device":
+            return self.inner.all_reduce_out(x, out, op, timeout=timeout)
+        self._copy(x, out, stream, timeout)
+        self.all_reduce(out, op, timeout=timeout, stream=stream)
+
+    def reduce_out(self, x: ArrayRef, out: ArrayRef | None, root: int, op: ReduceOp, *,
+                   timeout: float, stream: Any = None):
+        if all(r is None or r.kind != "device" for r in (x, out)):
+            return self.inner.reduce_out(x, out, root, op, timeout=timeout)
+        if self.rank != root:
+            return self.reduce(x, root, op, timeout=timeout, stream=stream)
+        self._copy(x, out, stream, timeout)
+        self.reduce(out, root, op, timeout=timeout, stream=stream)
+
+    def broadcast_out(self, x: ArrayRef | None, out: ArrayRef, root: int, *, timeout: float,
+                      stream: Any = None):
+        if all(r is None or r.kind != "device" for r in (x, out)):
+            return self.inner.broadcast_out(x, out, root, timeout=timeout)
+        if self.rank == root:
+            self._copy(x, out, stream, timeout)
+        self.broadcast(out, root, timeout=timeout, stream=stream)
+
+    def _copy(self, src: ArrayRef, dst: ArrayRef, stream: Any, timeout: float) -> None:
+        """``dst`` := ``src`` (same size; either may be on the device), ordered on the stream."""
+        rt = cuda.runtime()
+        s = self._stream(rt, src if src.kind == "device" else dst, stream)
+        if src.nbytes:
+            rt.memcpy_async(dst.ptr, src.ptr, src.nbytes, s)
+        _wait(rt.record_event(s), time.monotonic() + timeout, "copy into out", self.rank)
+
+    # ---- uneven sizes and grouped rounds: whole buffers ----------------------------------
+
+    def exchange(self, sends, recvs, layout: int, *, timeout: float, stream: Any = None):
+        peers = [p for p, _ in sends] + [p for p, _ in recvs]
+        refs = tuple(r for _, r in sends) + tuple(r for _, r in recvs)
+        flags = (True,) * len(sends) + (False,) * len(recvs)
+        k = len(sends)
+        self._whole(refs, flags, timeout, stream, lambda h, t: self.inner.exchange(
+            list(zip(peers[:k], h[:k], strict=True)), list(zip(peers[k:], h[k:], strict=True)),
+            layout, timeout=t))
+
+    def all_gather_v(self, x: ArrayRef, out: ArrayRef, counts, layout: int, *, timeout: float,
+                     stream: Any = None):
+        self._whole((x, out), (True, False), timeout, stream,
+                    lambda h, t: self.inner.all_gather_v(h[0], h[1], counts, layout, timeout=t))
+
+    def reduce_scatter_v(self, x: ArrayRef, out: ArrayRef, counts, op: ReduceOp, layout: int,
+                         *, timeout: float, stream: Any = None):
+        self._whole((x, out), (True, False), timeout, stream,
+                    lambda h, t: self.inner.reduce_scatter_v(h[0], h[1], counts, op, layout,
+                                                             timeout=t))
+
+    def all_reduce_coalesced(self, xs, op: ReduceOp, *, timeout: float, stream: Any = None):
+        if all(x.kind != "device" for x in xs):
+            return self.inner.all_reduce_coalesced(xs, op, timeout=timeout)
+        super().all_reduce_coalesced(xs, op, timeout=timeout, stream=stream)
+
+    def batch_p2p(self, ops, *, timeout: float, stream: Any = None):
+        """Host buffers go to the ring as they are. With device buffers the whole batch is
+        staged: sends copied down, every message posted together, receives copied back up;
+        it has completed when this returns."""
+        if all(x.kind != "device" for _, x, _ in ops):
+            return self.inner.batch_p2p(ops, timeout=timeout)
+        refs = tuple(x for _, x, _ in ops)
+        flags = tuple(sending for sending, _, _ in ops)
+
+        def run(hosts: list, t: float) -> None:
+            staged = [(sending, h, peer) for (sending, _, peer), h in zip(ops, hosts, strict=True)]
+            for work in self.inner.batch_p2p(staged, timeout=t):
+                work.wait()
+
+        self._whole(refs, flags, timeout, stream, run)
+        return [CompletedWork() for _ in ops]
 
     # ---- streams and pinned buffers ------------------------------------------------------
 

@@ -7,7 +7,6 @@ table shows N/A there rather than a number measured some other way).
 
 from __future__ import annotations
 
-import inspect
 import os
 import platform
 import sys
@@ -39,7 +38,6 @@ class GpucollLibrary:
     def __init__(self, comm: Any):
         self.comm = comm
         self.rank, self.size = comm.rank, comm.size
-        self._has_out = "out" in inspect.signature(comm.all_reduce).parameters
 
     @classmethod
     def from_env(cls, backend: str = "auto", transport: str = "auto",
@@ -65,11 +63,15 @@ class GpucollLibrary:
         if op == "all_reduce":
             if in_place:
                 return lambda: c.all_reduce(recv, op=redop)
-            return (lambda: c.all_reduce(send, op=redop, out=recv)) if self._has_out else None
+            return lambda: c.all_reduce(send, op=redop, out=recv)
         if op == "broadcast":
-            return (lambda: c.broadcast(recv, root=root)) if in_place else None
+            if in_place:
+                return lambda: c.broadcast(recv, root=root)
+            return lambda: c.broadcast(send, root=root, out=recv)
         if op == "reduce":
-            return (lambda: c.reduce(recv, root=root, op=redop)) if in_place else None
+            if in_place:
+                return lambda: c.reduce(recv, root=root, op=redop)
+            return lambda: c.reduce(send, root=root, op=redop, out=recv)
         if in_place:  # the remaining ops take out=, which may not overlap the input
             return None
         if op == "all_gather":

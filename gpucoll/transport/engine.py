@@ -346,7 +346,7 @@ class Engine:
         keys = set()
         for op in ops:
             if op.sending and (op.link.peer in state.closed_peers or op.link.peer in state.ended):
-                raise self._gone(op)
+                raise self._gone(op, opname)
             keys.add((op.link.peer, op.sending))
         if len(keys) < len(ops):
             return False
@@ -387,12 +387,13 @@ class Engine:
 
     # -- small messages on shared memory --------------------------------------------------
     def swap_small(self, send_to: Sequence, recv_from: Sequence, mv: memoryview, hdr: bytes,
-                   deadline: float, opname: str) -> list[np.ndarray]:
+                   deadline: float, opname: str) -> list[int]:
         """Put ``hdr`` + ``mv`` whole on the shared-memory links ``send_to`` and wait for a
-        message of the same size and header on each of ``recv_from``; returns their payloads,
-        in order, as uint8 views of the rings, valid until ``release_small``. The caller knows
-        that nothing else is posted and that every message fits a ring whole (``fits_whole``):
-        the tight loop of the latency-bound calls, without the general engine's bookkeeping."""
+        message of the same size and header on each of ``recv_from``; returns where each one's
+        payload starts in its link's receive ring (``link.rx.typed`` reads it in place), valid
+        until ``link.release``. The caller knows that nothing else is posted and that every
+        message fits a ring whole: the tight loop of the latency-bound calls, without the
+        general engine's bookkeeping."""
         state = self.state
         nbytes = len(mv) + FRAME_BYTES
         for link in send_to:
@@ -402,7 +403,7 @@ class Engine:
         for link in recv_from:
             link.begin(False, nbytes)
         unsent, waiting = list(send_to), list(recv_from)
-        views: list = [None] * len(waiting)
+        found = [-1] * len(waiting)
         idle_since = 0.0
         while True:
             moved = False
@@ -412,26 +413,32 @@ class Engine:
                         unsent.remove(link)
                         moved = True
             for i, link in enumerate(recv_from):
-                if views[i] is None:
-                    view = link.peek(nbytes)
-                    if view is None:
-                        head = link.peek(FRAME_BYTES)
-                        if head is not None and head.data != hdr:
-                            raise self._mismatch(FrameMismatch(link.peer, head.tobytes(), hdr),
-                                                 opname)
+                if found[i] < 0:
+                    at = link.arrived(nbytes)
+                    if at < 0:
+                        self._check_early_header(link, hdr, opname)
                         continue
-                    if view[:FRAME_BYTES].data != hdr:
-                        raise self._mismatch(FrameMismatch(link.peer, view[:FRAME_BYTES].tobytes(),
-                                                           hdr), opname)
-                    views[i] = view[FRAME_BYTES:]
+                    head = link.rx.mv[at:at + FRAME_BYTES]
+                    if head != hdr:
+                        raise self._mismatch(FrameMismatch(link.peer, head.tobytes(), hdr),
+                                             opname)
+                    found[i] = at + FRAME_BYTES
                     waiting.remove(link)
                     moved = True
             if not (unsent or waiting):
-                return views
+                return found
             if moved:
                 idle_since = 0.0
                 continue
             idle_since = self._idle_small(idle_since, deadline, unsent, waiting, nbytes, opname)
+
+    def _check_early_header(self, link, hdr: bytes, opname: str) -> None:
+        """A peer that sent a shorter message of another call is caught, not waited for."""
+        at = link.arrived(FRAME_BYTES)
+        if at >= 0:
+            head = link.rx.mv[at:at + FRAME_BYTES]
+            if head != hdr:
+                raise self._mismatch(FrameMismatch(link.peer, head.tobytes(), hdr), opname)
 
     def _idle_small(self, idle_since: float, deadline: float, unsent: list, waiting: list,
                     nbytes: int, opname: str) -> float:
@@ -452,7 +459,7 @@ class Engine:
                 link.sleep_flags(False, True, 1)
             try:
                 if any(link.can_put(nbytes) for link in unsent) or any(
-                        link.peek(nbytes) is not None for link in waiting):
+                        link.arrived(nbytes) >= 0 for link in waiting):
                     return
                 closed = self.state.closed_peers
                 for link in unsent:
@@ -613,10 +620,14 @@ class Engine:
                                                           not op.ready())):
                 raise self._gone(op)
 
-    def _gone(self, op: Op) -> PeerFailure:
-        return self._gone_peer(op.link.peer, op.sending, op.nbytes, op.opname)
+    def _gone(self, op: Op, opname: str | None = None) -> GpucollError:
+        return self._gone_peer(op.link.peer, op.sending, op.nbytes, opname or op.opname)
 
-    def _gone_peer(self, peer: int, sending: bool, nbytes: int, opname: str) -> PeerFailure:
+    def _gone_peer(self, peer: int, sending: bool, nbytes: int, opname: str) -> GpucollError:
+        """A peer left: the failure that made it leave, when one was reported (a peer that
+        fails tells the others before it goes), else PeerFailure naming it."""
+        if self.state.failure is not None:
+            return self._in_op(self.state.failure, opname)
         why = "closed its communicator" if peer in self.state.closed_peers else \
             "is gone (its connection ended)"
         if sending:

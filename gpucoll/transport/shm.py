@@ -89,6 +89,10 @@ class Ring:
         self.data = np.frombuffer(self._mm, dtype=np.uint8, count=self.cap, offset=HEADER)
         self.mv = memoryview(self.data)
 
+    def typed(self, offset: int, dtype: np.dtype, count: int) -> np.ndarray:
+        """``count`` elements of ``dtype`` at data byte ``offset``, in place (writable)."""
+        return np.frombuffer(self._mm, dtype, count, HEADER + offset)
+
     def close(self) -> None:
         self.ctl.release()
         self.mv.release()
@@ -234,6 +238,12 @@ class ShmLink:
             return None
         p = pos % rx.cap
         return rx.data[p:p + nbytes]
+
+    def arrived(self, nbytes: int) -> int:
+        """Where the next small message starts in the receive ring (after ``begin``), once all
+        its ``nbytes`` are there; -1 before."""
+        pos = self._pos
+        return pos % self.rx.cap if self.rx.ctl[HEAD] - pos >= nbytes else -1
 
     def release(self, nbytes: int) -> None:
         """Hand a peeked message's space back to the sender."""

@@ -1,0 +1,64 @@
+"""The training calls (out-of-place forms, uneven collectives, objects, fused all_reduce,
+batched point to point, new_group, monitored_barrier) match NumPy on 1 to 4 ranks over both
+transports.
+
+One spawn per (world size, transport) runs every case of ``training_cases``; the tests below
+read its report, one topic per test.
+"""
+
+from __future__ import annotations
+
+import functools
+
+import pytest
+import training_cases
+from multiproc import spawn
+
+from gpucoll.store import TCPStore
+
+pytestmark = pytest.mark.timeout(600)
+
+WORLDS = [(1, "auto"), (2, "tcp"), (2, "shm"), (3, "tcp"), (3, "shm"), (4, "tcp"), (4, "shm")]
+TOPICS = sorted({topic for topic, _, _ in training_cases.CASES})
+
+
+def _run(rank: int, n: int, addr: str) -> dict:
+    import gpucoll
+
+    with gpucoll.init("ring", rank=rank, world_size=n, store=addr, timeout=60) as comm:
+        report = training_cases.run(comm)
+        report["links"] = ("links", sorted(set(comm._backend.links.values())))
+        return report
+
+
+@functools.cache
+def reports(size: int, transport: str) -> list[dict]:
+    server = TCPStore("127.0.0.1", 0, is_server=True, timeout=60)
+    try:
+        return spawn(_run, size, f"tcp://127.0.0.1:{server.port}", timeout=500,
+                     env={"GPUCOLL_TRANSPORT": transport})
+    finally:
+        server.close()
+
+
+def _world_id(world):
+    return f"{world[0]}ranks-{world[1]}"
+
+
+@pytest.mark.parametrize("world", WORLDS, ids=_world_id)
+@pytest.mark.parametrize("topic", TOPICS)
+def test_training_calls_match_numpy(topic, world):
+    failures = [f"rank {rank}: {name}: {error}"
+                for rank, report in enumerate(reports(*world))
+                for name, (kind, error) in report.items() if kind == topic and error]
+    assert not failures, "\n".join(failures[:20])
+
+
+@pytest.mark.parametrize("world", WORLDS, ids=_world_id)
+def test_every_training_case_ran_on_the_transport_asked_for(world):
+    for rank, report in enumerate(reports(*world)):
+        assert "stopped" not in report, f"rank {rank}: {report['stopped'][1]}"
+        assert len([k for k, (t, _) in report.items() if t not in ("links",)]) == len(
+            training_cases.CASES)
+        if world[0] > 1:
+            assert report["links"][1] == [world[1]]
