@@ -1,6 +1,6 @@
 """Carry on after losing a rank: data-parallel training that loses one rank to SIGKILL half way,
-shrinks its communicator to the survivors, reloads the last step's state from one of them, and
-finishes on the rest.
+shrinks its communicator to the survivors, reloads the last step's state from one of them
+(broadcast_object), and finishes on the rest.
 
 Each step's global batch (the same rows however many ranks there are) is split among the ranks
 that are left; the gradient is the sum over every row divided by their number, so the training
@@ -88,17 +88,18 @@ def train_step(comm, xp, params, x, y, lr: float) -> float:
 
 def reload(comm, xp, params, step: int) -> int:
     """After a shrink: the survivors resume from the earliest step any of them completed,
-    with the parameters of the first survivor that stands there (sent by broadcast)."""
+    with the parameters of the first survivor that stands there (sent by broadcast_object)."""
     done = xp.asarray([step], dtype=xp.int64)
     comm.all_reduce(done, op="min")
     resume = int(to_host(done)[0])
     mine = xp.asarray([comm.rank if step == resume else comm.size], dtype=xp.int64)
     comm.all_reduce(mine, op="min")
-    state = flat(xp, params)
-    comm.broadcast(state, root=int(to_host(mine)[0]))
-    for p, v in zip(params, unflat(state, params), strict=True):
-        p[...] = v
-    return resume
+    src = int(to_host(mine)[0])
+    state = comm.broadcast_object({"step": resume, "params": [to_host(p) for p in params]}
+                                  if comm.rank == src else None, root=src)
+    for p, v in zip(params, state["params"], strict=True):
+        p[...] = xp.asarray(v)
+    return state["step"]
 
 
 def main() -> int:
