@@ -242,7 +242,7 @@ def store_process(timeout: float = 30.0) -> Iterator[TCPStore]:
     scatter talks to the store per call; an in-process server would add its own work)."""
     env = {k: v for k, v in os.environ.items() if k != "GPUCOLL_STORE_TOKEN"}
     proc = subprocess.Popen(
-        [sys.executable, "-m", "gpucoll.store.cli", "--host", "127.0.0.1", "--port", "0"],
+        [sys.executable, "-m", "gpucoll", "store", "--host", "127.0.0.1", "--port", "0"],
         stdout=subprocess.PIPE, text=True, env=env)
     try:
         ready, _, _ = select.select([proc.stdout], [], [], timeout)

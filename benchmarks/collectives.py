@@ -28,9 +28,8 @@ import sys
 from typing import Any
 
 from gpucoll.bench import cli, report
-from gpucoll.bench.formulas import bandwidths
-from gpucoll.bench.plot import plot
-from gpucoll.bench.report import best_busbw, best_time
+from gpucoll.bench.options import bandwidths
+from gpucoll.bench.report import best_busbw, best_time, plot
 
 TARGET_SIZE = 32 << 20
 LATENCY_SIZE = 8

@@ -33,8 +33,8 @@ import time
 import uuid
 from collections.abc import Iterator
 
-from gpucoll.bench import peers
 from gpucoll.bench.engine import Result
+from gpucoll.bench.libraries import peer_available
 
 SUBNET = "10.213.{}.{}"
 LIBRARIES = ("gpucoll", "gloo", "mpi")
@@ -135,7 +135,7 @@ def run_library(hosts: Hosts, library: str, per_node: int, args: list[str],
         port = free_port()
         jobs = []
         for node in range(2):
-            launch = [sys.executable, "-m", "gpucoll.launch", "-n", str(per_node), "--nnodes",
+            launch = [sys.executable, "-m", "gpucoll.run", "-n", str(per_node), "--nnodes",
                       "2", "--node-rank", str(node), "--master-addr", hosts.addr[0],
                       "--master-port", str(port), *rank]
             node_env = dict(env, GLOO_SOCKET_IFNAME=hosts.dev[node])
@@ -233,7 +233,7 @@ def main(argv: list[str] | None = None) -> int:
     unknown = [lib for lib in wanted if lib not in LIBRARIES]
     if unknown:
         p.error(f"unknown libraries {unknown}; expected some of {', '.join(LIBRARIES)}")
-    skipped = {lib: peers.available(lib) for lib in wanted if lib != "gpucoll"}
+    skipped = {lib: peer_available(lib) for lib in wanted if lib != "gpucoll"}
     skipped = {lib: why for lib, why in skipped.items() if why}
     libraries = [lib for lib in wanted if lib not in skipped]
     args = bench_args(ns.minbytes, ns.maxbytes, ns.iters, ns.warmup)

@@ -11,7 +11,7 @@ COMMANDS = {
     "topo": ("gpucoll.topology.cli", "show the NVLink/PCIe layout of this machine"),
     "bench": ("gpucoll.bench.cli", "measure collective bandwidth, nccl-tests style"),
     "info": ("gpucoll.info", "what this machine can do: CuPy, CUDA, NCCL, devices, backend"),
-    "store": ("gpucoll.store.cli", "run a standalone key-value store for multi-node jobs"),
+    "store": ("gpucoll.store.server", "run a standalone key-value store for multi-node jobs"),
     "doctor": ("gpucoll.doctor.cli", "say which rank is stuck where, from the flight recorders"),
 }
 

@@ -63,7 +63,7 @@ from gpucoll.outplace import OutOfPlaceCalls
 from gpucoll.progress import KIND
 from gpucoll.recorder import NO_CALL, Recorder, clock, pack, size_from_env, stream_id
 from gpucoll.signature import SignatureCheck
-from gpucoll.store.gather import Liveness, agree_survivors, gather, leave_group, wait_for_ranks
+from gpucoll.store.gather import Liveness, agree_survivors, leave_group, share, wait_for_ranks
 from gpucoll.uneven import UnevenCalls
 from gpucoll.validation import VALID_OPS, Call, check_timeout
 from gpucoll.work import Work
@@ -576,8 +576,7 @@ class Communicator(OutOfPlaceCalls, UnevenCalls, ObjectCalls, PointToPointCalls,
             except BaseException as exc:
                 keep(-clock())
                 progress.leave(False)
-                if isinstance(exc, GpucollError):
-                    self._flight.failed(exc)
+                self._failed(exc)
                 raise
             progress.leave(True)
             keep(clock())
@@ -640,7 +639,7 @@ class Communicator(OutOfPlaceCalls, UnevenCalls, ObjectCalls, PointToPointCalls,
     def _tracked(self, seq: int, kind: int, call: Callable[[], None]) -> Callable[[], None]:
         """``call``, collective ``seq``, run now: marked in the progress record, its start and
         end kept by the flight recorder; a failure that ends the group dumps the recorder."""
-        progress, keep, flight = self._progress, self._keep, self._flight
+        progress, keep, failed = self._progress, self._keep, self._failed
         head = self._recorder.current
 
         def run() -> None:
@@ -651,8 +650,7 @@ class Communicator(OutOfPlaceCalls, UnevenCalls, ObjectCalls, PointToPointCalls,
             except BaseException as exc:
                 keep(-clock())
                 progress.leave(False)
-                if isinstance(exc, GpucollError):
-                    flight.failed(exc)
+                failed(exc)
                 raise
             progress.leave(True)
             keep(clock())
@@ -681,7 +679,7 @@ class Communicator(OutOfPlaceCalls, UnevenCalls, ObjectCalls, PointToPointCalls,
         """``call``, queued as the recorder's call ``n``: as ``_tracked`` (``_timed`` for a
         send or receive), when it runs later."""
         progress = None if seq is None else self._progress
-        keep, flight = self._keep, self._flight
+        keep, flight, failed = self._keep, self._flight, self._failed
 
         def run() -> None:
             keep(("S", n, clock()))
@@ -691,16 +689,28 @@ class Communicator(OutOfPlaceCalls, UnevenCalls, ObjectCalls, PointToPointCalls,
                 call()
             except BaseException as exc:
                 keep(("E", n, -clock()))
-                if progress is not None:
-                    progress.leave(False)
-                if isinstance(exc, GpucollError):
-                    flight.failed(exc)
+                if progress is None:  # a send or receive
+                    if isinstance(exc, GpucollError):
+                        flight.failed(exc)
+                    raise
+                progress.leave(False)
+                failed(exc)
                 raise
             if progress is not None:
                 progress.leave(True)
             keep(("E", n, clock()))
 
         return run
+
+    def _failed(self, exc: BaseException) -> None:
+        """A collective ended in ``exc``. A failure of the group dumps the flight recorder (on
+        its first failure only). An interrupt (KeyboardInterrupt, SystemExit) left the call half
+        done: wherever it struck, the peers must not wait for the rest, so the backend is
+        aborted (a no-op when the backend already failed with it)."""
+        if isinstance(exc, GpucollError):
+            self._flight.failed(exc)
+        elif not isinstance(exc, Exception):
+            self._backend.abort(f"{type(exc).__name__} during collective #{self._seq - 1}")
 
     def _signature(self, c: Call, t: float, ref: ArrayRef | None, **fields: Any) -> int:
         """The sequence number of this collective (after the debug check, when it is on)."""
@@ -763,9 +773,8 @@ class Communicator(OutOfPlaceCalls, UnevenCalls, ObjectCalls, PointToPointCalls,
         n = self._agreements
         self._agreements += 1
         keys = [f"agree/{n}/{r}" for r in range(self.size)]
-        self._store.set(keys[self.rank], value)
-        values = gather(self._store, keys, t, what=c.name, rank=self.rank,
-                        absent="did not call it", liveness=self._liveness)
+        values = share(self._store, keys, value, t, what=c.name, rank=self.rank,
+                       absent="did not call it", liveness=self._liveness)
         if n >= 2:
             self._store.delete_key(f"agree/{n - 2}/{self.rank}")
         return values

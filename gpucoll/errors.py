@@ -71,15 +71,45 @@ class BackendUnavailable(GpucollError):
     """The requested backend cannot run here (no CuPy, no NCCL, no device, ...)."""
 
 
+class LaunchError(GpucollError, ValueError):
+    """``gpucoll run`` was asked for something that cannot run; nothing has been started."""
+
+
+class TopologyUnavailable(GpucollError):
+    """This machine shows no NVIDIA device to NVML nor on its PCI bus."""
+
+
+class TopologyParseError(GpucollError, ValueError):
+    """A saved ``nvidia-smi topo -m`` output cannot be read; the message names the file and
+    line (``source``, ``line``)."""
+
+    def __init__(self, message: str, *, source: str = "<text>", line: int | None = None):
+        where = source if line is None else f"{source}:{line}"
+        super().__init__(f"{where}: {message}")
+        self.source = source
+        self.line = line
+        self._message = message
+
+    def __reduce__(self):
+        return (_topology_parse_error, (self._message, self.source, self.line))
+
+
+def _topology_parse_error(message: str, source: str, line: int | None) -> TopologyParseError:
+    return TopologyParseError(message, source=source, line=line)
+
+
 __all__ = [
     "BackendUnavailable",
     "CollectiveMismatch",
     "CollectiveTimeout",
     "FrameError",
     "GpucollError",
+    "LaunchError",
     "PeerFailure",
     "RendezvousError",
     "StoreError",
     "StoreTimeout",
+    "TopologyParseError",
+    "TopologyUnavailable",
     "UsageError",
 ]

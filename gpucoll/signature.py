@@ -14,7 +14,7 @@ from collections.abc import Callable
 from typing import Any
 
 from gpucoll.errors import CollectiveMismatch
-from gpucoll.store.gather import Liveness, fetch, gather
+from gpucoll.store.gather import Liveness, fetch, share
 
 # Signature fields a rank may leave unknown (None): scatter's non-roots without out= learn the
 # slot's dtype and shape from the root.
@@ -109,10 +109,9 @@ class SignatureCheck:
 
     def _exchange(self, keys: list[str], sig: dict[str, Any], timeout: float,
                   name: str) -> list[dict[str, Any]]:
-        self.store.set(keys[self.rank], json.dumps(sig))
-        values = gather(self.store, keys, timeout, what=name, rank=self.rank,
-                        absent=f"did not make call {describe(sig)} (GPUCOLL_DEBUG signature "
-                               f"check)", liveness=self.liveness)
+        values = share(self.store, keys, json.dumps(sig), timeout, what=name, rank=self.rank,
+                       absent=f"did not make call {describe(sig)} (GPUCOLL_DEBUG signature "
+                              f"check)", liveness=self.liveness)
         return [json.loads(v) for v in values]
 
     def _where(self, name: str) -> str:

@@ -1,4 +1,6 @@
-"""Shared fixtures: a store per test on a free port, and the rule that `gpu` tests need CUDA."""
+"""Shared fixtures: a store per test on a free port, the rule that `gpu` tests need CUDA, and
+the rule that `image` tests (container builds, many minutes) run only when asked for by name:
+``python -m pytest -m image``."""
 
 from __future__ import annotations
 
@@ -19,6 +21,12 @@ def cuda_available() -> bool:
 
 
 def pytest_collection_modifyitems(config, items):
+    if "image" not in (config.option.markexpr or ""):
+        later = pytest.mark.skip(reason="builds container images (many minutes): run it with "
+                                 "`python -m pytest -m image`")
+        for item in items:
+            if "image" in item.keywords:
+                item.add_marker(later)
     if cuda_available():
         return
     skip = pytest.mark.skip(reason="needs a CUDA device; this machine has none")

@@ -9,7 +9,7 @@ from __future__ import annotations
 import numpy as np
 import pytest
 
-from gpucoll.bench import check
+from gpucoll.bench import engine
 from gpucoll.bench.options import numpy_dtype
 
 N = 3
@@ -17,7 +17,7 @@ REDUCE = {"sum": np.sum, "prod": np.prod, "min": np.min, "max": np.max}
 
 
 def _inputs(op, count, dtype, redop="sum", root=0):
-    return [check.inputs(op, r, root, redop, count, dtype) for r in range(N)]
+    return [engine.inputs(op, r, root, redop, count, dtype) for r in range(N)]
 
 
 def _redop(op):
@@ -59,7 +59,7 @@ OPS = ("all_reduce", "reduce", "broadcast", "sendrecv", "all_gather", "reduce_sc
 def test_correct_outputs_have_no_wrong_elements(op):
     dtype = numpy_dtype("float")
     for rank, got in enumerate(_simulate(op, dtype)):
-        assert check.wrong_elements(op, rank, N, 1, _redop(op), got) == 0, rank
+        assert engine.wrong_elements(op, rank, N, 1, _redop(op), got) == 0, rank
 
 
 @pytest.mark.parametrize("op", OPS)
@@ -69,19 +69,19 @@ def test_each_corrupted_element_is_counted(op):
     rank = 1  # the root, so reduce's output is checked too
     got = outs[rank].copy()
     got[[0, -1]] += 1
-    assert check.wrong_elements(op, rank, N, 1, _redop(op), got) == 2
+    assert engine.wrong_elements(op, rank, N, 1, _redop(op), got) == 2
 
 
 def test_data_from_the_wrong_rank_is_caught():
     outs = _simulate("all_gather", numpy_dtype("float"))
     swapped = outs[0].reshape(N, -1)[[1, 0, 2]].reshape(-1)
-    assert check.wrong_elements("all_gather", 0, N, 0, "none", swapped) > 0
+    assert engine.wrong_elements("all_gather", 0, N, 0, "none", swapped) > 0
 
 
 def test_reduce_output_is_checked_on_root_only():
     junk = np.full(5, 7, np.float32)
-    assert check.wrong_elements("reduce", 0, N, 1, "sum", junk) == 0
-    assert check.wrong_elements("reduce", 1, N, 1, "sum", junk) > 0
+    assert engine.wrong_elements("reduce", 0, N, 1, "sum", junk) == 0
+    assert engine.wrong_elements("reduce", 1, N, 1, "sum", junk) > 0
 
 
 @pytest.mark.parametrize("dtype", ["int8", "uint8", "half", "float", "double", "bfloat16",
@@ -90,36 +90,36 @@ def test_reduce_output_is_checked_on_root_only():
 def test_reductions_are_exact_in_every_type(dtype, redop):
     dt = numpy_dtype(dtype)
     outs = _simulate("all_reduce", dt, redop)
-    assert check.wrong_elements("all_reduce", 0, N, 0, redop, outs[0]) == 0
+    assert engine.wrong_elements("all_reduce", 0, N, 0, redop, outs[0]) == 0
 
 
 def test_avg_is_the_sum_divided_by_the_ranks():
-    got = check.reduced(N, np.arange(4), np.dtype(np.float32), "avg")
-    want = sum(check.values(r, np.arange(4), np.float32, "sum") for r in range(N)) / N
+    got = engine.reduced(N, np.arange(4), np.dtype(np.float32), "avg")
+    want = sum(engine.values(r, np.arange(4), np.float32, "sum") for r in range(N)) / N
     np.testing.assert_allclose(got, want)
 
 
 def test_bitwise_reductions_follow_numpy():
     idx = np.arange(64)
-    want = np.bitwise_xor.reduce([check.values(r, idx, np.int32, "bxor") for r in range(N)])
-    np.testing.assert_array_equal(check.reduced(N, idx, np.dtype(np.int32), "bxor"), want)
+    want = np.bitwise_xor.reduce([engine.values(r, idx, np.int32, "bxor") for r in range(N)])
+    np.testing.assert_array_equal(engine.reduced(N, idx, np.dtype(np.int32), "bxor"), want)
 
 
 def test_half_precision_tolerates_rounding_but_not_a_wrong_value():
     exp = np.array([3.0, 1000.0], np.float64)
     close = np.array([3.0, 1000.5], np.float16)
-    assert check.count_wrong(close, exp, np.dtype(np.float16)) == 0
-    assert check.count_wrong(np.array([3.0, 1100.0], np.float16), exp, np.dtype(np.float16)) == 1
+    assert engine.count_wrong(close, exp, np.dtype(np.float16)) == 0
+    assert engine.count_wrong(np.array([3.0, 1100.0], np.float16), exp, np.dtype(np.float16)) == 1
 
 
 def test_nan_is_always_wrong():
-    assert check.count_wrong(np.array([np.nan], np.float32), np.array([1.0]),
+    assert engine.count_wrong(np.array([np.nan], np.float32), np.array([1.0]),
                              np.dtype(np.float32)) == 1
 
 
 def test_large_outputs_are_checked_in_chunks(monkeypatch):
-    monkeypatch.setattr(check, "CHUNK", 7)
+    monkeypatch.setattr(engine, "CHUNK", 7)
     outs = _simulate("all_to_all", numpy_dtype("float"), slot=11)
     got = outs[2].copy()
     got[15] = -1
-    assert check.wrong_elements("all_to_all", 2, N, 0, "none", got) == 1
+    assert engine.wrong_elements("all_to_all", 2, N, 0, "none", got) == 1

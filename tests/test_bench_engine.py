@@ -14,8 +14,7 @@ import pytest
 from multiproc import spawn
 from test_bench_report import parse_log
 
-from gpucoll.bench.engine import Case, Engine, case_total, cases, combine, placed
-from gpucoll.bench.memory import HostMemory
+from gpucoll.bench.engine import Case, Engine, HostMemory, case_total, cases, combine, placed
 from gpucoll.bench.options import parse_args
 
 
@@ -73,13 +72,97 @@ def test_check_zero_skips_the_correctness_pass():
     assert r.in_place.wrong is None
 
 
-def test_warmup_timed_and_check_iterations_are_all_run():
+def test_with_n_every_loop_runs_n_calls_after_w_warm_up_calls_then_the_checks():
     lib = OneRank(no_in_place="broadcast")
-    _engine(lib, ["-w", "4", "-n", "7", "-c", "2"]).run(Case("broadcast", 8, "float", "none", 0))
-    # out of place only: 4 warm-up + 7 timed + 2 checks
-    assert lib.calls["broadcast"] == 4 + 7 + 2
-    # the engine's own sums over ranks (the time, the wrong count) use the library too
+    _engine(lib, ["-w", "4", "-n", "7", "--loops", "3", "-c", "2"]).run(
+        Case("broadcast", 8, "float", "none", 0))
+    # out of place only: 4 warm-up + 3 loops of 7 timed + 2 checks
+    assert lib.calls["broadcast"] == 4 + 3 * 7 + 2
+    # the engine's own sums over ranks (the loop times, the wrong count) use the library too
     assert lib.calls["all_reduce"] == 2
+
+
+class Paced(OneRank):
+    """A one-rank library whose every call advances a fake clock by ``seconds``."""
+
+    def __init__(self, seconds):
+        super().__init__()
+        self.seconds, self.now = seconds, 0.0
+
+    def prepare(self, op, send, recv, redop, root, in_place):
+        call = super().prepare(op, send, recv, redop, root, in_place)
+        if call is None:
+            return None
+
+        def paced():
+            call()
+            if op == "broadcast":
+                self.now += self.seconds
+
+        return paced
+
+
+class FakeClockMemory(HostMemory):
+    def __init__(self, lib):
+        self.lib = lib
+
+    def timer(self):
+        lib = self.lib
+
+        class Timer:
+            def start(self):
+                self.t0 = lib.now
+
+            def stop(self):
+                return lib.now - self.t0
+
+        return Timer()
+
+
+def _paced_run(seconds, argv):
+    lib = Paced(seconds)
+    lib.no_in_place = "broadcast"
+    engine = Engine(lib, FakeClockMemory(lib), parse_args(argv))
+    return lib, engine.run(Case("broadcast", 8, "float", "none", 0))
+
+
+def test_without_n_the_loops_hold_as_many_calls_as_fill_the_time():
+    # 1 ms a call; 0.1 s of timed calls in 5 loops -> 20 calls a loop; warm-up of 0.05 s
+    lib, r = _paced_run(1e-3, ["--time", "0.1", "--loops", "5", "--warmup-time", "0.05",
+                               "-w", "2", "-c", "0"])
+    m = r.out_of_place
+    assert (m.iters, m.loops) == (20, 5)
+    assert lib.calls["broadcast"] == 1 + 50 + 5 * 20  # pace probe, warm-up, loops
+    assert m.time_us == pytest.approx(1000.0) and m.median_us == pytest.approx(1000.0)
+
+
+def test_a_slow_call_still_gets_the_minimum_warm_up_and_one_call_a_loop():
+    lib, r = _paced_run(2.0, ["--time", "0.1", "--loops", "3", "-w", "2", "-c", "0"])
+    assert (r.out_of_place.iters, r.out_of_place.loops) == (1, 3)
+    assert lib.calls["broadcast"] == 1 + 2 + 3
+
+
+def test_no_warm_up_at_all_takes_the_pace_from_the_first_call():
+    lib, r = _paced_run(1e-3, ["--time", "0.01", "--loops", "2", "--warmup-time", "0",
+                               "-w", "0", "-c", "0"])
+    assert (r.out_of_place.iters, lib.calls["broadcast"]) == (5, 1 + 2 * 5)
+
+
+def test_the_mean_median_and_spread_come_from_the_loops():
+    from gpucoll.bench.engine import Timing
+
+    t = Timing((1.0, 1.0, 4.0), iters=10)
+    assert (t.mean, t.median) == (2.0, 1.0)
+
+
+def test_measurements_keep_median_spread_and_counts_through_json():
+    from gpucoll.bench.engine import Measurement
+
+    m = Measurement(2.0, 1.0, 1.0, 0, median_us=1.5, min_us=1.0, max_us=4.0, iters=7, loops=3)
+    assert Measurement.from_json(m.to_json()) == m
+    assert m.spread == pytest.approx(2.0)
+    assert Measurement.from_json({"time": 1.0, "alg_bw": 1.0, "bus_bw": 1.0,
+                                  "nwrong": 0}).spread is None  # files of older versions
 
 
 def test_a_form_the_library_lacks_is_reported_as_not_measured():
@@ -105,7 +188,7 @@ def test_in_place_buffers_alias_as_nccl_defines_them():
 
 @pytest.mark.gpu
 def test_device_buffers_are_timed_with_cuda_events_and_checked():
-    from gpucoll.bench.memory import CudaEventTimer, DeviceMemory
+    from gpucoll.bench.engine import CudaEventTimer, DeviceMemory
 
     mem = DeviceMemory()
     assert isinstance(mem.timer(), CudaEventTimer)
@@ -152,8 +235,8 @@ ALL = ["all", "-b", "8", "-e", "64K", "-f", "64", "-n", "3", "-w", "1", "-d", "f
 
 def _sweep_rank(rank, n, addr, argv):
     import gpucoll
+    from gpucoll.bench.cli import sweep
     from gpucoll.bench.libraries import GpucollLibrary
-    from gpucoll.bench.ranks import sweep
     from gpucoll.bench.session import Console
 
     opts = parse_args(argv)
@@ -184,3 +267,38 @@ def test_every_operation_runs_correctly_on_two_ranks(store_addr):
     both = [r for r in log["rows"] if None not in (r["out_of_place"]["time"],
                                                     r["in_place"]["time"])]
     assert len(both) == 3 * 2 * 3 and all(r in both for r in log["rows"] if r["root"] >= 0)
+
+
+def _uneven_rank(rank, n, addr):
+    """Rank 1 pays an extra millisecond a call: its slower pace must set both ranks' counts."""
+    import time
+
+    import gpucoll
+    from gpucoll.bench.libraries import GpucollLibrary
+
+    comm = gpucoll.init(rank=rank, world_size=n, store=addr, timeout=30)
+    try:
+        lib = GpucollLibrary(comm)
+        engine = Engine(lib, HostMemory(), parse_args(["--time", "0.2", "--loops", "4",
+                                                       "--warmup-time", "0.05", "-c", "1"]))
+        fn = lib.prepare("all_reduce", None, np.ones(256, np.float32), "sum", -1, True)
+        if rank == 1:
+            slow = fn
+
+            def fn():
+                time.sleep(1e-3)
+                slow()
+
+        timing = engine.time(fn)
+        return timing.iters, len(timing.loops), timing.mean
+    finally:
+        comm.close()
+
+
+def test_ranks_of_different_pace_agree_on_every_count(store_addr):
+    (iters0, loops0, mean0), (iters1, loops1, mean1) = spawn(_uneven_rank, 2, store_addr,
+                                                             timeout=90)
+    assert (iters0, loops0) == (iters1, loops1) and loops0 == 4
+    # the count fills the time at the slow rank's pace (>= 1 ms a call): at most 0.05 s / 1 ms
+    assert 1 <= iters0 <= 50
+    assert mean0 == mean1  # the loops' times are combined over ranks

@@ -9,7 +9,7 @@ from __future__ import annotations
 
 import pytest
 
-from gpucoll.bench.formulas import OPS, bandwidths, bus_factor
+from gpucoll.bench.options import OPS, bandwidths, bus_factor
 
 FACTORS = {  # op -> {ranks: factor}, values worked out by hand from PERFORMANCE.md
     "all_reduce": {1: 0.0, 2: 1.0, 4: 1.5, 8: 1.75},

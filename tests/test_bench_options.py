@@ -34,8 +34,14 @@ def test_defaults_are_nccl_tests_defaults():
     o = parse_args([])
     assert (o.minbytes, o.maxbytes, o.stepbytes, o.stepfactor) == (32 << 20, 32 << 20,
                                                                    1 << 20, 1)
-    assert (o.iters, o.warmup, o.check, o.average) == (20, 5, 1, 1)
+    assert (o.warmup, o.check, o.average) == (5, 1, 1)
     assert (o.ops, o.dtypes, o.redops, o.roots) == (("all_reduce",), ("float",), ("sum",), (0,))
+
+
+def test_by_default_the_iteration_count_is_chosen_by_time():
+    o = parse_args([])
+    assert o.iters is None and (o.time, o.loops, o.warmup_time) == (0.3, 5, 0.1)
+    assert parse_args(["-n", "20"]).iters == 20  # nccl-tests' fixed count, on request
 
 
 def test_factor_sweep_doubles_from_min_to_max():
@@ -97,6 +103,10 @@ def test_peers_flag_asks_for_both_peers_and_peer_for_one():
     ("-r x", "not a rank number"),
     ("--peer nccl", "expected gloo or mpi"),
     ("-i 0", "never advances"),
+    ("--loops 0", "--loops 0: must be at least 1"),
+    ("--time 0", "--time 0.0: must be a positive number of seconds"),
+    ("--time nan", "--time nan: must be a positive"),
+    ("--warmup-time -1", "--warmup-time -1.0: must be"),
 ])
 def test_bad_flags_exit_with_usage_naming_the_problem(argv, words, capsys):
     with pytest.raises(SystemExit) as exc:
@@ -105,9 +115,10 @@ def test_bad_flags_exit_with_usage_naming_the_problem(argv, words, capsys):
     assert words in capsys.readouterr().err
 
 
-def test_rank_argv_makes_ranks_read_the_same_sweep():
-    o = parse_args("all_gather broadcast -b 8 -e 1M -f 4 -n 3 -w 1 -c 2 -o sum,max -d int32 "
-                   "-r all -a 2 --transport tcp --timeout 9".split())
+@pytest.mark.parametrize("timing", ["-n 3", "--time 0.7 --loops 3 --warmup-time 0.15"])
+def test_rank_argv_makes_ranks_read_the_same_sweep(timing):
+    o = parse_args(f"all_gather broadcast -b 8 -e 1M -f 4 {timing} -w 1 -c 2 -o sum,max "
+                   "-d int32 -r all -a 2 --transport tcp --timeout 9".split())
     again = parse_args(rank_argv(o))
     driver_only = {"json", "csv", "plot", "peers", "progress", "ranks", "ceilings"}
     for field in BenchOptions.__dataclass_fields__:

@@ -7,9 +7,8 @@ import importlib.util
 import pytest
 from multiproc import spawn
 
-from gpucoll.bench import peers
-from gpucoll.bench.engine import Case, Engine
-from gpucoll.bench.memory import HostMemory
+from gpucoll.bench import libraries
+from gpucoll.bench.engine import Case, Engine, HostMemory
 from gpucoll.bench.options import parse_args
 
 needs_torch = pytest.mark.skipif(importlib.util.find_spec("torch") is None,
@@ -26,7 +25,7 @@ def _gloo_rank(rank, n, store_file):
     import os
 
     os.environ.update(RANK=str(rank), WORLD_SIZE=str(n))
-    lib = peers.GlooLibrary(30.0, init_method=f"file://{store_file}")
+    lib = libraries.GlooLibrary(30.0, init_method=f"file://{store_file}")
     engine = Engine(lib, HostMemory(), parse_args(["-n", "2", "-w", "1"]))
     try:
         return [engine.run(c) for c in CASES]
@@ -47,10 +46,10 @@ def test_gloo_runs_every_operation_correctly_on_two_ranks(tmp_path):
 
 
 def test_a_missing_peer_says_why():
-    assert peers.available("nccl-tests") == "unknown peer 'nccl-tests'"
+    assert libraries.peer_available("nccl-tests") == "unknown peer 'nccl-tests'"
 
 
 def test_mpi_needs_mpirun(monkeypatch):
-    monkeypatch.setattr(peers.shutil, "which", lambda name: None)
-    reason = peers.available("mpi")
+    monkeypatch.setattr(libraries.shutil, "which", lambda name: None)
+    reason = libraries.peer_available("mpi")
     assert reason in ("mpirun is not on PATH", "mpi4py is not installed")

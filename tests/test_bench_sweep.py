@@ -5,6 +5,8 @@ from __future__ import annotations
 import importlib.util
 import pathlib
 
+import pytest
+
 from gpucoll.bench.options import parse_args
 
 PATH = pathlib.Path(__file__).resolve().parents[1] / "benchmarks" / "collectives.py"
@@ -67,3 +69,20 @@ def test_rounds_merge_into_median_times_with_bandwidths_recomputed():
     assert ours["alg_bw"] == mib / 200e-6 / 1e9 and ours["bus_bw"] == ours["alg_bw"]  # 2 ranks
     assert merged["runs"][1]["results"][0]["in_place"]["time"] == 2000.0
     assert merged["rounds"] == 3
+
+
+def test_steadiness_runs_the_same_sweep_twice_and_compares_them_size_by_size(capsys, tmp_path):
+    path = PATH.parent / "steadiness.py"
+    spec_ = importlib.util.spec_from_file_location("bench_steadiness", path)
+    steady = importlib.util.module_from_spec(spec_)
+    spec_.loader.exec_module(steady)
+    out = tmp_path / "s.json"
+    assert steady.main(["--rounds", "1", "--low", "64K", "--high", "256K", "--out", str(out),
+                        "--", "--time", "0.05", "--loops", "2", "-c", "0"]) == 0
+    text = capsys.readouterr().out
+    assert "65536" in text and "262144" in text and "# worst difference" in text
+    import json
+
+    (rnd,) = json.loads(out.read_text())["rounds"]
+    assert set(rnd["first"]) == set(rnd["second"]) == {"65536", "262144"}
+    assert steady.differ(100.0, 110.0) == pytest.approx(10 / 105)

@@ -1,6 +1,7 @@
 """The benchmark image: a clean hadolint, two targets, and a default command gpucoll accepts.
 
-No Docker engine is needed: the Dockerfile is linted and read, not built.
+No container engine is needed here: the Dockerfile is linted and read. Building and running
+both images for real is tests/test_docker_build.py (``python -m pytest -m image``).
 """
 
 from __future__ import annotations

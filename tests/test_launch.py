@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import json
+import os
 import re
 import signal
 import time
@@ -386,3 +387,53 @@ def test_without_isolation_ranks_see_every_gpu(launch, tmp_path):
     job = launch(["-n", "2", write_script(tmp_path, GPU_ENV)], env={"CUDA_VISIBLE_DEVICES": "3,5"})
     assert job.finish() == 0, job.text()
     assert job.out().count("CVD 3,5") == 2
+
+
+BIND_DUMP = """
+import json, os, threading
+seen = {}
+t = threading.Thread(target=lambda: seen.setdefault("thread", sorted(os.sched_getaffinity(0))))
+t.start(); t.join()
+print("BIND " + json.dumps({"rank": os.environ["RANK"], "cpus": sorted(os.sched_getaffinity(0)),
+      "thread": seen["thread"], "hca": os.environ.get("NCCL_IB_HCA"),
+      "order": os.environ.get("CUDA_DEVICE_ORDER")}))
+"""
+
+
+def test_bind_pins_each_rank_and_its_threads_and_exports_its_nic(launch, tmp_path):
+    cpus = sorted(os.sched_getaffinity(0))
+    if len(cpus) < 2:
+        pytest.skip("needs two CPUs to pin two ranks apart")
+    topo = tmp_path / "topo.txt"  # a saved output whose GPUs sit on two of this machine's CPUs
+    topo.write_text("\tGPU0\tGPU1\tNIC0\tNIC1\tCPU Affinity\tNUMA Affinity\n"
+                    f"GPU0\t X \tNV4\tPIX\tSYS\t{cpus[0]}\t0\n"
+                    f"GPU1\tNV4\t X \tSYS\tPIX\t{cpus[1]}\t1\n"
+                    "NIC0\tPIX\tSYS\t X \tSYS\nNIC1\tSYS\tPIX\tSYS\t X \n\n"
+                    "NIC Legend:\n\n  NIC0: mlx5_0\n  NIC1: mlx5_1\n")
+    job = launch(["-n", "2", "--bind", "--topology", str(topo),
+                  write_script(tmp_path, BIND_DUMP)], env={"CUDA_VISIBLE_DEVICES": "0,1"})
+    assert job.finish() == 0, job.text()
+    seen = {int(d["rank"]): d for d in (json.loads(line.split("BIND ", 1)[1])
+                                        for line in job.out().splitlines() if "BIND " in line)}
+    for rank in (0, 1):
+        assert seen[rank]["cpus"] == seen[rank]["thread"] == [cpus[rank]]
+        assert seen[rank]["hca"] == f"=mlx5_{rank}" and seen[rank]["order"] == "PCI_BUS_ID"
+    assert f"--bind: rank 1: GPU1, CPUs {cpus[1]} (NUMA 1), NICs mlx5_1 (PIX); pinned to " \
+           f"CPUs {cpus[1]}" in job.err()
+
+
+def test_bind_without_a_gpu_says_what_it_does_and_runs_the_job(launch, tmp_path):
+    job = launch(["-n", "2", "--bind", write_script(tmp_path, BIND_DUMP)],
+                 env={"CUDA_VISIBLE_DEVICES": ""})
+    assert job.finish() == 0, job.text()
+    assert "gpucoll run: --bind: no GPU topology here" in job.err()
+    assert job.out().count("BIND ") == 2
+
+
+def test_bind_with_an_unreadable_topology_starts_nothing(launch, tmp_path):
+    (tmp_path / "bad.txt").write_text("not a topology\n")
+    job = launch(["-n", "2", "--bind", "--topology", "bad.txt",
+                  write_script(tmp_path, BIND_DUMP)])
+    assert job.finish() == 2
+    assert "gpucoll run: error: --bind: bad.txt: no header line found" in job.err()
+    assert "BIND" not in job.out()

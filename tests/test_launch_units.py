@@ -8,11 +8,24 @@ import threading
 
 import pytest
 
-from gpucoll.launch import report
-from gpucoll.launch.config import LaunchConfig, LaunchError, validate
-from gpucoll.launch.devices import device_env, visible_gpus
-from gpucoll.launch.environ import rank_env
-from gpucoll.launch.output import MAX_LINE, TAIL_LINES, TAIL_WIDTH, Console, RankOutput
+from gpucoll.errors import LaunchError
+from gpucoll.launch.config import (
+    LaunchConfig,
+    device_env,
+    rank_env,
+    validate,
+    visible_gpus,
+)
+from gpucoll.launch.supervisor import (
+    MAX_LINE,
+    TAIL_LINES,
+    TAIL_WIDTH,
+    Console,
+    RankOutput,
+    describe,
+    exit_status,
+    root_cause,
+)
 
 
 class Sink:
@@ -82,12 +95,12 @@ def test_ranks_of_node_one_continue_the_numbering_of_node_zero():
     (-signal.SIGSEGV, 139, "signal SIGSEGV (exit 139)"),
 ])
 def test_exit_statuses_follow_the_shell_convention(code, status, text):
-    assert report.exit_status(code) == status
-    assert report.describe(code) == text
+    assert exit_status(code) == status
+    assert describe(code) == text
 
 
 def test_the_root_cause_report_names_rank_exit_and_last_stderr():
-    text = report.root_cause(5, 1, 2, 4242, 3, 1.25, ["Traceback", "ValueError: bad"],
+    text = root_cause(5, 1, 2, 4242, 3, 1.25, ["Traceback", "ValueError: bad"],
                              ["rank 4: exit code 0"])
     assert "rank 5 failed first" in text and "local rank 1 on node 2, pid 4242" in text
     assert "exit code 3" in text and "ValueError: bad" in text and "rank 4: exit code 0" in text
@@ -173,3 +186,129 @@ def test_a_closed_console_does_not_stop_the_pump():
     writer.join(30)
     output.join(10)
     assert not writer.is_alive()
+
+
+def test_lines_written_to_a_terminal_first_clear_a_progress_line_drawn_there():
+    master, slave = os.openpty()
+    try:
+        with open(slave, "wb", closefd=False) as tty:
+            console = Console(Sink(), tty)
+            console.write("stderr", b"[rank 0] hello\n")
+        assert os.read(master, 4096).startswith(b"\r\x1b[K[rank 0] hello")
+        assert console.terminal_env() == {"GPUCOLL_TTY": os.ttyname(slave)}
+    finally:
+        os.close(master)
+        os.close(slave)
+
+
+def test_lines_written_to_pipes_and_files_are_left_as_they_are():
+    out, err = Sink(), Sink()
+    console = Console(out, err)
+    console.write("stdout", b"[rank 1] x\n")
+    assert out.writes == [b"[rank 1] x\n"] and console.terminal_env() == {}
+
+
+# --- --bind --------------------------------------------------------------------------------
+
+TOPOLOGY = os.path.join(os.path.dirname(__file__), "data", "topology")
+
+
+def _topology(stem: str) -> str:
+    return next(os.path.join(TOPOLOGY, f) for f in sorted(os.listdir(TOPOLOGY))
+                if f.startswith(stem) and f.endswith(".txt"))
+
+
+def _bind(nproc, stem, gpus=(), environ=None, allowed=frozenset(range(256)), nodes=None,
+          node_rank=0, nnodes=1):
+    from gpucoll.launch.config import bindings
+
+    cfg = LaunchConfig(program="x.py", nproc=nproc, nnodes=nnodes, node_rank=node_rank,
+                       bind=True, topology=_topology(stem) if stem else None, token="t")
+    return bindings(cfg, list(gpus), environ or {}, set(allowed), nodes or {})
+
+
+def test_bind_pins_each_rank_to_its_gpus_cpus_and_exports_its_nearest_nics():
+    b = _bind(2, "dgx-a100", gpus=["2", "3"])
+    assert b[0].cpus == frozenset(set(range(16, 32)) | set(range(144, 160)))
+    assert b[0].env == {"NCCL_IB_HCA": "=mlx5_2,mlx5_3", "CUDA_DEVICE_ORDER": "PCI_BUS_ID"}
+    assert b[1].line.startswith("rank 1: GPU3, CPUs 16-31,144-159 (NUMA 1), NICs mlx5_2, "
+                                "mlx5_3 (PXB); pinned to CPUs 16-31,144-159")
+
+
+def test_bind_numbers_ranks_of_later_nodes_after_the_earlier_ones():
+    b = _bind(2, "dgx-a100", gpus=["0", "1"], node_rank=1, nnodes=2)
+    assert [x.line.split(":")[0] for x in b] == ["rank 2", "rank 3"]
+
+
+def test_bind_keeps_what_the_user_set_and_says_so():
+    b = _bind(1, "dgx-a100", gpus=["0"], environ={"NCCL_IB_HCA": "mlx5_9",
+                                                   "CUDA_DEVICE_ORDER": "FASTEST_FIRST"})
+    assert b[0].env == {} and "NCCL_IB_HCA already set, kept" in b[0].line
+
+
+def test_bind_takes_a_blank_affinity_from_the_numa_node_of_this_machine():
+    b = _bind(1, "hgx-h200", gpus=["1"], nodes={0: {0, 1, 2, 3}, 1: {4, 5, 6, 7}})
+    assert b[0].cpus == frozenset({0, 1, 2, 3}) and b[0].env["NCCL_IB_HCA"] == "=mlx5_3"
+
+
+def test_bind_does_not_pin_to_cpus_this_machine_lacks_and_says_so():
+    b = _bind(1, "dgx-a100", gpus=["0"], allowed={0, 1})
+    assert b[0].cpus is None
+    assert "not pinned: CPUs 48-63,176-191 are not among this launcher's (0-1)" in b[0].line
+    assert b[0].env["NCCL_IB_HCA"] == "=mlx5_0,mlx5_1"  # the NICs still apply
+
+
+def test_bind_leaves_a_gpu_the_topology_lacks_alone():
+    b = _bind(2, "gtx1080ti", gpus=["0", "GPU-0b1c"])
+    assert b[0].cpus is not None
+    assert (b[1].cpus, b[1].env) == (None, {})
+    assert b[1].line == "rank 1: GPU 'GPU-0b1c' is not in the topology: not pinned, no NIC " \
+                        "exported"
+
+
+def test_bind_without_gpus_spreads_ranks_over_the_numa_nodes():
+    from gpucoll.launch.config import _numa_spread
+
+    cfg = LaunchConfig(program="x.py", nproc=4, bind=True)
+    b = _numa_spread(cfg, "no GPU", {0, 1, 2, 3}, {0: {0, 1}, 1: {2, 3}})
+    assert [x.cpus for x in b] == [frozenset({0, 1})] * 2 + [frozenset({2, 3})] * 2
+    assert all(x.env == {} for x in b) and "pinned to NUMA node 1 (CPUs 2-3)" in b[3].line
+
+
+def test_bind_on_one_numa_node_without_gpus_pins_nothing_and_says_why_once():
+    from gpucoll.launch.config import _numa_spread
+
+    cfg = LaunchConfig(program="x.py", nproc=3, bind=True)
+    b = _numa_spread(cfg, "no NVIDIA GPU on this machine", {0, 1}, {0: {0, 1}})
+    assert [x.cpus for x in b] == [None] * 3 and [bool(x.line) for x in b] == [True, False, False]
+    assert b[0].line == ("no GPU topology here (no NVIDIA GPU on this machine); one NUMA node "
+                         "(CPUs 0-1): the ranks are not pinned and no NIC is exported")
+
+
+def test_numa_nodes_are_read_from_sysfs(tmp_path):
+    from gpucoll.launch.config import numa_nodes
+
+    for node, cpus in (("node0", "0-3\n"), ("node1", "4-7,12\n")):
+        (tmp_path / node).mkdir()
+        (tmp_path / node / "cpulist").write_text(cpus)
+    (tmp_path / "possible").write_text("0-1\n")
+    assert numa_nodes(str(tmp_path)) == {0: {0, 1, 2, 3}, 1: {4, 5, 6, 7, 12}}
+    assert numa_nodes(str(tmp_path / "none")) == {}
+
+
+def test_topology_without_bind_or_missing_is_refused(tmp_path):
+    with pytest.raises(LaunchError, match="--topology is what --bind reads"):
+        validate(LaunchConfig(program=__file__, topology=_topology("a10")))
+    with pytest.raises(LaunchError, match="--topology: no such file"):
+        validate(LaunchConfig(program=__file__, bind=True, topology=str(tmp_path / "x")))
+
+
+def test_launch_errors_are_exported_in_the_one_hierarchy():
+    import pickle
+
+    import gpucoll
+
+    with pytest.raises(gpucoll.LaunchError) as info:
+        validate(LaunchConfig(program="no-such-script.py"))
+    assert isinstance(info.value, gpucoll.GpucollError) and isinstance(info.value, ValueError)
+    assert str(pickle.loads(pickle.dumps(info.value))) == str(info.value)

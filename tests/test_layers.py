@@ -16,6 +16,7 @@ from __future__ import annotations
 import ast
 import functools
 import pathlib
+import re
 
 import pytest
 
@@ -167,3 +168,15 @@ def test_examples_use_only_the_public_package():
     deep = {(p.name, d) for p in sorted((ROOT / "examples").glob("*.py"))
             for d in imported_by(p) if d.startswith("gpucoll.")}
     assert deep == set()
+
+
+@pytest.mark.parametrize("package", ["launch", "store", "topology", "bench"])
+def test_each_package_names_its_modules_in_its_docstring(package):
+    """A package's file list reads as its table of contents: the docstring of its __init__
+    says what each of its modules holds."""
+    import importlib
+
+    doc = importlib.import_module(f"gpucoll.{package}").__doc__
+    modules = {p.stem for p in (PACKAGE / package).glob("*.py") if not p.stem.startswith("__")}
+    named = set(re.findall(r"``(\w+)``", doc.split("Modules:", 1)[1]))
+    assert modules - named == set()

@@ -11,7 +11,7 @@ import pytest
 
 from gpucoll import PrefixStore, TCPStore
 from gpucoll.errors import CollectiveTimeout, PeerFailure
-from gpucoll.store.gather import Liveness, gather, leave_group, wait_for_ranks
+from gpucoll.store.gather import Liveness, gather, leave_group, share, wait_for_ranks
 from tests.multiproc import spawn
 
 
@@ -29,6 +29,21 @@ def test_a_missing_rank_is_a_collective_timeout_naming_it_and_the_operation(stor
     expected = r"exchange on rank 0 of 3: rank 1 never arrived within [0-9.]+ s"
     with pytest.raises(CollectiveTimeout, match=expected + r" \(timeout=0.2 s\)"):
         gather(store_server, keys, 0.2, what="exchange", rank=0)
+
+
+def test_share_publishes_this_ranks_value_and_returns_everyones(store_server):
+    keys = [f"sh/{r}" for r in range(3)]
+    store_server.set(keys[0], "v0")
+    store_server.set(keys[2], "v2")
+    assert share(store_server, keys, "v1", 5.0, what="agree", rank=1) == [b"v0", b"v1", b"v2"]
+
+
+def test_share_names_the_ranks_that_did_not_share_and_leaves_this_ranks_value(store_server):
+    keys = [f"sm/{r}" for r in range(3)]
+    with pytest.raises(CollectiveTimeout, match=r"agree on rank 1 of 3: ranks 0, 2 did not "
+                                                r"call it"):
+        share(store_server, keys, b"mine", 0.1, what="agree", rank=1, absent="did not call it")
+    assert store_server.get(keys[1]) == b"mine"
 
 
 def test_keys_already_there_need_no_time_at_all(store_server):

@@ -9,8 +9,8 @@ from pathlib import Path
 import pytest
 
 from gpucoll.topology.cli import main
+from gpucoll.topology.probe import read_sysfs
 from gpucoll.topology.smi import read_smi
-from gpucoll.topology.sysfs import read_sysfs
 
 DATA = Path(__file__).parent / "data" / "topology"
 SAVED = sorted(DATA.glob("*.txt"))
@@ -106,7 +106,7 @@ def test_json_and_dot_together_are_refused(capsys):
 
 def test_picture_of_nvswitch_machine_joins_each_gpu_to_the_switch():
     from gpucoll.topology import load
-    from gpucoll.topology.graph import NVSWITCH, build_graph
+    from gpucoll.topology.render import NVSWITCH, build_graph
 
     nodes, edges = build_graph(load(DATA / "dgx-a100-8gpu-nv12-10nic.txt"))
     nvlinks = [e for e in edges if e.kind == "nvlink"]
@@ -119,7 +119,7 @@ def test_picture_of_nvswitch_machine_joins_each_gpu_to_the_switch():
 
 def test_picture_of_pcie_machine_draws_only_each_gpus_nearest_peers():
     from gpucoll.topology import load
-    from gpucoll.topology.graph import build_graph
+    from gpucoll.topology.render import build_graph
 
     _, edges = build_graph(load(DATA / "tesla-p40-8gpu-pcie-switch-pix-pxb-old-soc-legend.txt"))
     assert len(edges) == 12 and {e.label for e in edges} == {"PIX"}

@@ -5,8 +5,7 @@ from pathlib import Path
 import pytest
 
 from gpucoll.topology import load, ring_order
-from gpucoll.topology.layout import MAX_NVLINKS_PER_GPU
-from gpucoll.topology.ring import best_ring, ring_key
+from gpucoll.topology.layout import MAX_NVLINKS_PER_GPU, best_ring, ring_key
 
 DATA = Path(__file__).parent / "data" / "topology"
 
@@ -137,9 +136,8 @@ def test_nvswitch_pair_with_fewer_links_is_flagged():
     lines = text.splitlines()
     lines[2] = lines[2].replace("NV12", "NV10", 1)  # GPU0 -> GPU1
     lines[3] = lines[3].replace("NV12", "NV10", 1)  # GPU1 -> GPU0
-    from gpucoll.topology.build import observed_from_smi
     from gpucoll.topology.layout import analyze
-    from gpucoll.topology.smi import parse_smi
+    from gpucoll.topology.smi import observed_from_smi, parse_smi
 
     layout = analyze(observed_from_smi(parse_smi("\n".join(lines))))
     (uneven,) = codes(layout)["nvlink-uneven"]

@@ -15,10 +15,8 @@ import pytest
 from gpucoll.topology import TopologyUnavailable, probe
 from gpucoll.topology.cli import main
 from gpucoll.topology.facts import PciDevice
-from gpucoll.topology.nvml import cpulist, normalize_bus_id, read_nvml
-from gpucoll.topology.pcipath import pci_label
+from gpucoll.topology.probe import cpulist, normalize_bus_id, pci_label, read_nvml, read_sysfs
 from gpucoll.topology.smi import read_smi
-from gpucoll.topology.sysfs import read_sysfs
 
 DATA = Path(__file__).parent / "data" / "topology"
 

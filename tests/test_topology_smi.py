@@ -4,7 +4,7 @@ from pathlib import Path
 
 import pytest
 
-from gpucoll.topology.errors import TopologyParseError
+from gpucoll.errors import TopologyParseError
 from gpucoll.topology.smi import parse_smi, read_smi
 
 DATA = Path(__file__).parent / "data" / "topology"
@@ -109,3 +109,16 @@ def test_short_row_is_an_error():
 def test_missing_file_is_a_parse_error():
     with pytest.raises(TopologyParseError, match="cannot read"):
         read_smi(DATA / "no-such-file.txt")
+
+
+def test_parse_errors_are_exported_in_the_one_hierarchy_and_pickle_with_their_place():
+    import pickle
+
+    import gpucoll
+
+    with pytest.raises(gpucoll.GpucollError) as info:
+        parse_smi("\tGPU0\tGPU1\nGPU0\t X \tNV2\nGPU1\tFOO\t X \n", source="t.txt")
+    err = pickle.loads(pickle.dumps(info.value))
+    assert type(err) is gpucoll.TopologyParseError and isinstance(err, ValueError)
+    assert (str(err), err.source, err.line) == (str(info.value), "t.txt", 3)
+    assert issubclass(gpucoll.TopologyUnavailable, gpucoll.GpucollError)

@@ -726,10 +726,16 @@ class RingBackend(GroupedRing, Backend):
                 or j in state.closed_peers or j in state.ended)
 
     def _unreceived(self) -> CollectiveMismatch | None:
-        """A mismatch naming the first message a peer sent that no call here received."""
+        """A mismatch naming the first message a peer sent that no call here received. A
+        message of a collective later than any this rank entered is not one: the peer went on
+        to a call this rank never made (it was interrupted, say), and this rank's close tells
+        the peer so."""
+        latest = self.progress.seq
         for j, link in enumerate(self._mesh.links):
             if link is not None and link.unread():
                 head = link.next_frame(algos.FRAME.size)
+                if head is not None and algos.later_call(head, latest):
+                    continue
                 what = f"a message of {algos.describe_frame(head)}" if head else \
                     f"{link.unread()} or more bytes"
                 err = CollectiveMismatch(

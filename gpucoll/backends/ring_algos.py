@@ -20,7 +20,7 @@ import numpy as np
 
 from gpucoll.arrays import SUPPORTED_DTYPES
 from gpucoll.ops import ReduceOp
-from gpucoll.progress import kind_name
+from gpucoll.progress import KIND, kind_name
 from gpucoll.transport.engine import FRAME_BYTES, Peek, Put, Recv, RecvReduce, Send
 from gpucoll.transport.shm import FRAME_MAGIC, WHOLE
 
@@ -78,6 +78,15 @@ def describe_frame(data: bytes) -> str:
         parts.append(f"counts/shape digest {layout:08x}")
     number = f"message #{seq}" if what in ("send", "recv") else f"#{seq}"
     return f"{what} {number} ({', '.join(parts)})"
+
+
+def later_call(head: bytes, latest: int) -> bool:
+    """True when the frame header ``head`` belongs to a collective after call ``latest``."""
+    magic, kind, _, _, _, _, _, seq, _ = FRAME.unpack(head)
+    return magic == MAGIC and kind not in _P2P_KINDS and seq > latest
+
+
+_P2P_KINDS = frozenset({KIND["send"], KIND["recv"]})
 
 
 class Step:

@@ -1,6 +1,8 @@
 """Bandwidth benchmarks measured and printed the way nccl-tests does (``gpucoll bench``).
 
-Modules: options (flags), formulas (algbw/busbw), engine (timed loop + correctness pass),
-libraries/peers (gpucoll, gloo, mpi adapters), report/session (tables, JSON, CSV), plot,
-ceilings (memory and copy bandwidth), ranks (the rank side), driver (starts the ranks).
+Modules: ``options`` (flags, and what each operation moves: algbw/busbw), ``engine`` (timed
+loops, the correctness pass, buffers and timers, ceilings), ``libraries`` (gpucoll, gloo and mpi
+behind one adapter), ``session`` (where events go: the console with its progress bar, or the
+driver's event file), ``report`` (tables, JSON, CSV, the plot), ``cli`` (``gpucoll bench``: the
+driver from a shell, a rank inside a job).
 """

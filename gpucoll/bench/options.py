@@ -1,7 +1,14 @@
-"""`gpucoll bench` flags: nccl-tests' short flags with their meaning, plus gpucoll's own.
+"""`gpucoll bench` flags: nccl-tests' short flags with their meaning, plus gpucoll's own; and what
+each benchmarked operation moves, with its bandwidths as nccl-tests defines them.
 
 Parsing is pure (no environment, no imports of CUDA or the communicator), so the driver and
 every rank read the same command line into the same ``BenchOptions``.
+
+nccl-tests (doc/PERFORMANCE.md) reports ``algbw = S / t`` and ``busbw = algbw * factor(n)``,
+where the factor turns the rate into what each rank's link carried, so numbers stay comparable
+across rank counts. ``S`` is the reported size: the whole buffer for all_reduce, broadcast,
+reduce and sendrecv; the total of all ranks' slots for all_gather (output) and reduce_scatter
+(input); the whole per-rank send buffer for all_to_all. GB are 1e9 bytes.
 """
 
 from __future__ import annotations
@@ -9,13 +16,91 @@ from __future__ import annotations
 import argparse
 import dataclasses
 import re
+from collections.abc import Callable
 
 import numpy as np
 
 from gpucoll.backends import NAMES
-from gpucoll.bench.formulas import OPS
 from gpucoll.ops import parse_op
 from gpucoll.transport.mesh import TRANSPORTS
+
+# ---- what each operation moves, and its bandwidths -----------------------------------------------
+
+@dataclasses.dataclass(frozen=True)
+class OpSpec:
+    """One benchmarked operation: its names, what it reduces and roots, and its bus factor."""
+
+    name: str
+    binary: str  # the nccl-tests program measuring the same thing
+    reduces: bool  # takes a reduction operator (the redop column)
+    rooted: bool  # takes a root rank (the root column)
+    slotted: bool  # the buffer is split into one slot per rank (count rounds to n)
+    factor: Callable[[int], float]
+
+    def counts(self, nbytes: int, itemsize: int, nranks: int) -> tuple[int, int]:
+        """Elements of (send buffer, receive buffer) per rank for a requested size in bytes.
+
+        Like nccl-tests, a size that does not divide evenly is rounded down: to whole
+        elements, and for slotted operations to a whole number of elements per rank.
+        """
+        count = nbytes // itemsize
+        if not self.slotted:
+            return count, count
+        slot = count // nranks
+        if self.name == "all_gather":
+            return slot, slot * nranks
+        if self.name == "reduce_scatter":
+            return slot * nranks, slot
+        return slot * nranks, slot * nranks  # all_to_all
+
+    def size_bytes(self, nbytes: int, itemsize: int, nranks: int) -> int:
+        """The ``size`` column: the larger of the send and receive buffers, in bytes."""
+        send, recv = self.counts(nbytes, itemsize, nranks)
+        return max(send, recv) * itemsize
+
+
+def _ring(n: int) -> float:
+    return 2.0 * (n - 1) / n
+
+
+def _share(n: int) -> float:
+    return (n - 1) / n
+
+
+def _one(n: int) -> float:
+    return 1.0
+
+
+OPS: dict[str, OpSpec] = {
+    spec.name: spec
+    for spec in (
+        OpSpec("all_reduce", "all_reduce_perf", True, False, False, _ring),
+        OpSpec("all_gather", "all_gather_perf", False, False, True, _share),
+        OpSpec("reduce_scatter", "reduce_scatter_perf", True, False, True, _share),
+        OpSpec("broadcast", "broadcast_perf", False, True, False, _one),
+        OpSpec("reduce", "reduce_perf", True, True, False, _one),
+        OpSpec("all_to_all", "alltoall_perf", False, False, True, _share),
+        OpSpec("sendrecv", "sendrecv_perf", False, False, False, _one),
+    )
+}
+
+
+def bus_factor(op: str, nranks: int) -> float:
+    """busbw / algbw for ``op`` on ``nranks`` ranks (nccl-tests' correction factor)."""
+    if nranks < 1:
+        raise ValueError(f"nranks={nranks} must be at least 1")
+    return OPS[op].factor(nranks)
+
+
+def bandwidths(op: str, size_bytes: int, seconds: float, nranks: int) -> tuple[float, float]:
+    """(algbw, busbw) in GB/s for ``size_bytes`` (the size column) moved in ``seconds``."""
+    if seconds <= 0:
+        return 0.0, 0.0
+    algbw = size_bytes / seconds / 1e9
+    return algbw, algbw * bus_factor(op, nranks)
+
+
+# ---- the flags -----------------------------------------------------------------------------------
 
 # nccl-tests' datatype names (its -d values) and the NumPy dtype each one is
 NCCL_TYPES = {
@@ -53,8 +138,11 @@ class BenchOptions:
     maxbytes: int = 32 << 20
     stepbytes: int = 1 << 20
     stepfactor: int = 1
-    iters: int = 20
-    warmup: int = 5
+    iters: int | None = None  # -n: calls per timed loop; None: as many as fill the loop time
+    warmup: int = 5  # -w: untimed calls before timing (at least this many when time-boxed)
+    time: float = 0.3  # seconds of timed calls per table cell, split over the loops
+    loops: int = 5  # timed loops per cell: the mean over them is printed, median and spread
+    warmup_time: float = 0.1  # seconds of warm-up per cell (time-boxed mode)
     check: int = 1
     redops: tuple[str, ...] = ("sum",)
     dtypes: tuple[str, ...] = ("float",)
@@ -208,10 +296,11 @@ def _add_nccl_tests_flags(p: argparse.ArgumentParser) -> None:
     g.add_argument("-f", "--stepfactor", type=int, default=BenchOptions.stepfactor,
                    help="multiplication factor between sizes (default: off)")
     g.add_argument("-n", "--iters", type=int, default=BenchOptions.iters,
-                   help="timed iterations per size (default 20)")
+                   help="timed iterations per loop (default: as many as fill --time/--loops "
+                        "seconds, at the pace the warm-up measured)")
     g.add_argument("-w", "--warmup_iters", dest="warmup", type=int,
-                   default=BenchOptions.warmup, help="untimed iterations before each loop "
-                   "(default 5)")
+                   default=BenchOptions.warmup, help="untimed iterations before timing, at "
+                   "least (default 5)")
     g.add_argument("-c", "--check", type=int, default=BenchOptions.check,
                    help="correctness passes per size after timing; 0 skips (default 1)")
     g.add_argument("-o", "--op", dest="redop", default="sum",
@@ -241,6 +330,16 @@ def _add_gpucoll_flags(p: argparse.ArgumentParser) -> None:
                         "each when installed")
     m.add_argument("--peer", action="append", metavar="LIB",
                    help="run the sweep through this peer too (gloo or mpi; repeatable)")
+    m.add_argument("--time", type=float, default=BenchOptions.time, metavar="S",
+                   help="seconds of timed calls per size and placement, split over --loops "
+                        f"(default {BenchOptions.time:g}); more gives steadier figures")
+    m.add_argument("--loops", type=int, default=BenchOptions.loops, metavar="K",
+                   help="timed loops per size: the table's time is the mean over all of "
+                        "them, JSON and CSV add the median and the fastest and slowest loop "
+                        f"(default {BenchOptions.loops})")
+    m.add_argument("--warmup-time", type=float, default=BenchOptions.warmup_time,
+                   metavar="S", help="seconds of warm-up per size and placement, at least -w "
+                   f"calls (default {BenchOptions.warmup_time:g}; ignored with -n)")
     m.add_argument("--json", metavar="FILE", help="write every result as JSON")
     m.add_argument("--csv", metavar="FILE", help="write every result as CSV")
     m.add_argument("--plot", metavar="FILE.png", help="plot busbw against size per library")
@@ -265,9 +364,13 @@ def parse_args(argv: list[str]) -> BenchOptions:
 
 def _to_options(ns: argparse.Namespace) -> BenchOptions:
     for flag, value, low in (("-n/--iters", ns.iters, 1), ("-w/--warmup_iters", ns.warmup, 0),
-                             ("-c/--check", ns.check, 0), ("-f/--stepfactor", ns.stepfactor, 1)):
-        if value < low:
+                             ("-c/--check", ns.check, 0), ("-f/--stepfactor", ns.stepfactor, 1),
+                             ("--loops", ns.loops, 1)):
+        if value is not None and value < low:
             raise ValueError(f"{flag} {value}: must be at least {low}")
+    for flag, value in (("--time", ns.time), ("--warmup-time", ns.warmup_time)):
+        if not value >= 0 or (flag == "--time" and value == 0):
+            raise ValueError(f"{flag} {value}: must be a positive number of seconds")
     if ns.minbytes > ns.maxbytes:
         raise ValueError(f"-b {ns.minbytes} is larger than -e {ns.maxbytes}")
     if ns.ranks is not None and ns.ranks < 1:
@@ -281,6 +384,7 @@ def _to_options(ns: argparse.Namespace) -> BenchOptions:
     return BenchOptions(
         ops=_op_names(ns.ops), minbytes=ns.minbytes, maxbytes=ns.maxbytes,
         stepbytes=ns.stepbytes, stepfactor=ns.stepfactor, iters=ns.iters, warmup=ns.warmup,
+        time=ns.time, loops=ns.loops, warmup_time=ns.warmup_time,
         check=ns.check, redops=_redops(ns.redop.lower()), dtypes=_dtypes(ns.datatype.lower()),
         roots=_roots(ns.root.lower()), average=ns.average, ranks=ns.ranks,
         backend=ns.backend, transport=ns.transport, memory=ns.memory,
@@ -293,11 +397,15 @@ def rank_argv(opts: BenchOptions) -> list[str]:
     """The flags that make ranks started by the driver run exactly this sweep."""
     roots = "all" if opts.roots is None else ",".join(map(str, opts.roots))
     argv = [*opts.ops, "-b", str(opts.minbytes), "-e", str(opts.maxbytes),
-            "-i", str(opts.stepbytes), "-f", str(opts.stepfactor), "-n", str(opts.iters),
-            "-w", str(opts.warmup), "-c", str(opts.check), "-o", ",".join(opts.redops),
+            "-i", str(opts.stepbytes), "-f", str(opts.stepfactor), "-w", str(opts.warmup),
+            "--time", repr(opts.time), "--loops", str(opts.loops),
+            "--warmup-time", repr(opts.warmup_time), "-c", str(opts.check),
+            "-o", ",".join(opts.redops),
             "-d", ",".join(opts.dtypes), "-r", roots, "-a", str(opts.average),
             "--backend", opts.backend, "--transport", opts.transport, "--memory", opts.memory,
             "--timeout", str(opts.timeout)]
+    if opts.iters is not None:
+        argv += ["-n", str(opts.iters)]
     return argv
 
 

@@ -1,8 +1,12 @@
-"""Results as people and programs read them: nccl-tests' table, JSON and CSV.
+"""Results as people and programs read them: nccl-tests' table, JSON, CSV and the plot.
 
 The table keeps nccl-tests' layout exactly (column widths, out-of-place then in-place, ``#``
 comment lines, the two-line footer), so tools that parse nccl-tests logs read it unchanged.
 A placement a library does not offer prints ``N/A`` in its columns, never a stand-in number.
+
+``--plot FILE.png`` draws busbw against size, one line per library, one panel per operation;
+matplotlib is imported only then, with the Agg backend (no display needed). Ceilings that bound
+busbw are drawn as dashed horizontal lines.
 """
 
 from __future__ import annotations
@@ -46,8 +50,19 @@ def human_size(nbytes: int) -> str:
 def config_line(opts: BenchOptions, nranks: int) -> str:
     step = (f"{opts.stepfactor}(factor)" if opts.stepfactor > 1 else f"{opts.stepbytes}(bytes)")
     return (f"# nThread 1 nGpus {nranks} minBytes {opts.minbytes} maxBytes {opts.maxbytes} "
-            f"step: {step} warmup iters: {opts.warmup} iters: {opts.iters} agg iters: 1 "
-            f"validation: {min(opts.check, 1)} graph: 0")
+            f"step: {step} warmup iters: {opts.warmup} iters: {opts.iters or 'auto'} "
+            f"agg iters: 1 validation: {min(opts.check, 1)} graph: 0")
+
+
+def timing_line(opts: BenchOptions) -> str:
+    """How each cell's time was taken: how many loops, how long, and what the column means."""
+    if opts.iters is None:
+        per = (f"as many calls as fill {opts.time / opts.loops * 1e3:.0f} ms (pace from a "
+               f"warm-up of {opts.warmup_time:g} s, at least {opts.warmup} calls)")
+    else:
+        per = f"{opts.iters} calls after {opts.warmup} warm-up calls"
+    return (f"# Timing: {opts.loops} loops per cell of {per}; time = mean over all loops, "
+            "median and spread over loops in --json/--csv")
 
 
 def run_header(run: dict[str, Any]) -> list[str]:
@@ -119,9 +134,21 @@ def summary(results: Iterable[Result]) -> dict[str, Any]:
 def table_footer(results: list[Result]) -> list[str]:
     s = summary(results)
     bad = s["out_of_bounds"]["count"]
-    return [f"# {'Out of bounds values':<20} : {bad} {'FAILED' if bad else 'OK'}",
-            f"# {'Avg bus bandwidth':<20} : {s['average_bus_bandwidth']['bandwidth']:g} ",
-            "#"]
+    lines = [f"# {'Out of bounds values':<20} : {bad} {'FAILED' if bad else 'OK'}",
+             f"# {'Avg bus bandwidth':<20} : {s['average_bus_bandwidth']['bandwidth']:g} "]
+    spread = spread_line(results)
+    return lines + ([spread] if spread else []) + ["#"]
+
+
+def spread_line(results: list[Result]) -> str | None:
+    """The widest loop-to-loop spread of a table, so an unsteady figure does not go unseen."""
+    cells = [(m.spread, r.size) for r in results for m in (r.out_of_place, r.in_place)
+             if m is not None and m.spread is not None]
+    if not cells:
+        return None
+    spread, size = max(cells)
+    return (f"# {'Widest loop spread':<20} : {100 * spread:.0f}% of the median "
+            f"(at {human_size(size)}; (slowest - fastest loop) / median)")
 
 
 def peak_line(results: list[Result], ceilings: list[dict[str, Any]]) -> str | None:
@@ -183,7 +210,7 @@ def write_json(path: str, doc: dict[str, Any]) -> None:
 
 CSV_FIELDS = ("library", "backend", "transport", "ranks", "memory", "op", "size", "count",
               "type", "redop", "root", "placement", "time_us", "algbw_GBps", "busbw_GBps",
-              "wrong")
+              "wrong", "time_median_us", "time_min_us", "time_max_us", "iters", "loops")
 
 
 def csv_rows(runs: list[dict[str, Any]]) -> Iterable[dict[str, Any]]:
@@ -200,7 +227,9 @@ def csv_rows(runs: list[dict[str, Any]]) -> Iterable[dict[str, Any]]:
                        "count": d["count"], "type": d["type"], "redop": d["redop"],
                        "root": d["root"], "placement": placement, "time_us": m["time"],
                        "algbw_GBps": m["alg_bw"], "busbw_GBps": m["bus_bw"],
-                       "wrong": m["nwrong"]}
+                       "wrong": m["nwrong"], "time_median_us": m.get("time_median"),
+                       "time_min_us": m.get("time_min"), "time_max_us": m.get("time_max"),
+                       "iters": m.get("iters"), "loops": m.get("loops")}
 
 
 def write_csv(path: str, runs: list[dict[str, Any]]) -> None:
@@ -208,3 +237,81 @@ def write_csv(path: str, runs: list[dict[str, Any]]) -> None:
         w = csv.DictWriter(f, fieldnames=CSV_FIELDS)
         w.writeheader()
         w.writerows(csv_rows(runs))
+
+
+# ---- the plot ------------------------------------------------------------------------------------
+
+HOST_CEILING = "host memcpy"
+
+
+def label(run: dict[str, Any]) -> str:
+    if run["library"] == "gpucoll":
+        return f"gpucoll ({run.get('backend')}/{run.get('transport')})"
+    if run.get("backend") in (None, run["library"]):
+        torch = run.get("versions", {}).get("torch")
+        return f"{run['library']} (torch {torch})" if torch else run["library"]
+    return f"{run['library']} ({run.get('backend')})"
+
+
+def plot(path: str, runs: list[dict[str, Any]], ceilings: list[dict[str, Any]],
+         title: str = "") -> None:
+    """Write the figure to ``path``; one panel per (operation, rank count)."""
+    fig = figure(runs, ceilings, title)
+    fig.savefig(path, dpi=110)
+    import matplotlib.pyplot as plt
+
+    plt.close(fig)
+
+
+def figure(runs: list[dict[str, Any]], ceilings: list[dict[str, Any]], title: str = "") -> Any:
+    """The matplotlib figure ``plot`` writes (the caller closes it)."""
+    try:
+        import matplotlib
+    except ImportError as exc:
+        raise RuntimeError("--plot needs matplotlib (pip install matplotlib)") from exc
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    panels = sorted({(d["op"], run["ranks"]) for run in runs for d in run["results"]})
+    if not panels:
+        raise RuntimeError("--plot: there are no results to draw")
+    # constrained layout keeps room for the title above the first panel (tight_layout does not
+    # count a suptitle, which then overlaps the first panel's title)
+    fig, axes = plt.subplots(len(panels), 1, figsize=(8, 4.2 * len(panels)), squeeze=False,
+                             layout="constrained")
+    for ax, (op, ranks) in zip(axes[:, 0], panels, strict=True):
+        _panel(ax, op, ranks, runs, ceilings)
+    if title:
+        fig.suptitle(title, fontsize=10)
+        fig.get_layout_engine().set(h_pad=0.1)  # inches: air between title and first panel
+    return fig
+
+
+def _panel(ax: Any, op: str, ranks: int, runs: list[dict[str, Any]],
+           ceilings: list[dict[str, Any]]) -> None:
+    sizes: set[int] = set()
+    for run in runs:
+        if run["ranks"] != ranks:
+            continue
+        points = [(d["size"], best_busbw(d)) for d in run["results"] if d["op"] == op]
+        points = [(s, bw) for s, bw in points if bw and s > 0]  # log axes: no zeros
+        if points:
+            xs, ys = zip(*points, strict=True)
+            sizes.update(xs)
+            ax.plot(xs, ys, marker="o", markersize=3, label=label(run))
+    for c in ceilings:
+        if c["name"] == HOST_CEILING or c["name"].startswith(("D2H", "H2D")):
+            ax.axhline(c["GBps"], linestyle="--", linewidth=0.8, color="grey")
+            ax.annotate(f"{c['name']} {c['GBps']:.1f} GB/s", (0.01, c["GBps"]),
+                        xycoords=("axes fraction", "data"), fontsize=7, color="grey",
+                        va="bottom")
+    ax.set_xscale("log", base=2)
+    ax.set_yscale("log")
+    if sizes:
+        ticks = sorted(sizes)[:: max(1, len(sizes) // 8)]
+        ax.set_xticks(ticks, [human_size(t) for t in ticks], fontsize=7)
+    ax.set_xlabel("size (bytes; nccl-tests' size column)")
+    ax.set_ylabel("busbw (GB/s)")
+    ax.set_title(f"{op}, {ranks} ranks", fontsize=9)
+    ax.grid(True, which="both", linewidth=0.3)
+    ax.legend(fontsize=8)

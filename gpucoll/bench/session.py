@@ -5,19 +5,29 @@ A sweep reports four events: ``start(run)`` (the library's description), ``skip(
 arrive and keeps every run for the comparison, JSON, CSV and plot at the end. ``EventFile`` is
 what rank 0 writes when ``gpucoll bench`` started the ranks: one JSON object a line, flushed, so
 the driver shows lines as they come and keeps those written before any crash.
+
+The console shows a one-line progress bar for long sweeps, drawn on the terminal of the process
+that shows it. From a shell that terminal is stderr. Rank 0 of a job started by ``gpucoll run``
+has only pipes (the launcher prefixes and forwards its lines), so the launcher names its own
+terminal in ``GPUCOLL_TTY`` and the bar is drawn there directly, in place; the launcher clears
+the line before each line it forwards, so the bar never splits one. By default the bar shows on
+a terminal only, once the sweep has run a few seconds; ``--progress`` shows it at once (on a
+stream that is no terminal, as one line per finished table line).
 """
 
 from __future__ import annotations
 
 import datetime
 import json
+import os
 import sys
+import time
 from typing import Any, TextIO
 
 from gpucoll.bench import report
 from gpucoll.bench.engine import Result
 from gpucoll.bench.options import BenchOptions
-from gpucoll.bench.progress import Progress
+from gpucoll.launch.supervisor import TTY_ENV
 
 
 def now() -> str:
@@ -69,7 +79,7 @@ class Console:
     def __init__(self, opts: BenchOptions, argv: list[str], out: TextIO | None = None,
                  progress: Progress | None = None):
         self.opts, self.out = opts, out or sys.stdout
-        self.progress = progress or Progress(0, False)
+        self.progress = progress or Progress(0, False, self.out)
         self.doc: dict[str, Any] = {
             "tool": "gpucoll bench", "format": 1, "argv": list(argv), "start_time": now(),
             "config": _config(opts), "machine": {}, "ceilings": [], "runs": []}
@@ -81,8 +91,7 @@ class Console:
         return self.doc["runs"]
 
     def print(self, *lines: str) -> None:
-        if self.progress.enabled:
-            self.progress.close()
+        self.progress.clear()
         for line in lines:
             self.out.write(line + "\n")
         self.out.flush()
@@ -98,7 +107,8 @@ class Console:
     def start(self, run: dict[str, Any]) -> None:
         run = {**run, "results": [], "skipped": [], "error": None}
         self.runs.append(run)
-        self.print(report.config_line(self.opts, run["ranks"]), *report.run_header(run), "#")
+        self.print(report.config_line(self.opts, run["ranks"]), report.timing_line(self.opts),
+                   *report.run_header(run), "#")
 
     def skip(self, text: str) -> None:
         self.runs[-1]["skipped"].append(text)
@@ -156,7 +166,7 @@ class Console:
             report.write_csv(self.opts.csv, self.runs)
             self.print(f"# Wrote CSV to {self.opts.csv}")
         if self.opts.plot:
-            from gpucoll.bench.plot import plot
+            from gpucoll.bench.report import plot
 
             plot(self.opts.plot, self.runs, self.doc["ceilings"], title=_title(self.doc))
             self.print(f"# Wrote plot to {self.opts.plot}")
@@ -177,7 +187,97 @@ def _config(opts: BenchOptions) -> dict[str, Any]:
     return {"ops": list(opts.ops), "minimum_bytes": opts.minbytes,
             "maximum_bytes": opts.maxbytes, "step_factor": opts.stepfactor,
             "step_bytes": opts.stepbytes, "iterations": opts.iters,
-            "warmup_iters": opts.warmup, "validation": opts.check,
+            "warmup_iters": opts.warmup, "time_per_cell": opts.time, "loops": opts.loops,
+            "warmup_time": opts.warmup_time, "validation": opts.check,
             "datatypes": list(opts.dtypes), "redops": list(opts.redops),
             "average": opts.average, "backend": opts.backend, "transport": opts.transport,
             "memory": opts.memory, "peers": list(opts.peers)}
+
+
+# ---- the progress bar ----------------------------------------------------------------------------
+
+WIDTH = 28
+AUTO_DELAY = 2.0  # seconds before an unrequested bar appears: short sweeps never flicker
+REDRAW = 0.5  # seconds between redraws from tick()
+ERASE = "\r\x1b[K"  # carriage return, then clear to the end of the line
+
+
+def terminal() -> tuple[TextIO, bool]:
+    """Where the bar goes: the launcher's terminal when it named one, else stderr.
+
+    Returns the stream and whether this process opened it (and must close it).
+    """
+    path = os.environ.get(TTY_ENV)
+    if path:
+        try:
+            fd = os.open(path, os.O_WRONLY | os.O_NOCTTY)
+        except OSError:
+            pass
+        else:
+            return os.fdopen(fd, "w"), True
+    return sys.stderr, False
+
+
+class Progress:
+    """``step(label)`` after each table line, ``tick()`` in between, ``clear()`` before other
+    output, ``close()`` at the end."""
+
+    def __init__(self, total: int = 0, enabled: bool | None = None,
+                 stream: TextIO | None = None):
+        self.stream, self._owned = (stream, False) if stream is not None else terminal()
+        self.live = bool(getattr(self.stream, "isatty", lambda: False)())
+        self.enabled = self.live if enabled is None else enabled
+        self.delay = AUTO_DELAY if enabled is None else 0.0
+        self.shown = False
+        self.label = "starting"
+        self.restart(total)
+
+    def restart(self, total: int) -> None:
+        """Count from zero towards ``total`` table lines (the next library's sweep)."""
+        self.total, self.done, self.t0, self.drawn = total, 0, time.monotonic(), 0.0
+
+    def step(self, label: str) -> None:
+        self.done += 1
+        self.label = label
+        if not self.enabled:
+            return
+        if self.live:
+            self._draw()
+        else:
+            self.stream.write(self.line(label) + "\n")
+            self.stream.flush()
+
+    def tick(self) -> None:
+        """Redraw (elapsed time moves on) if the bar is live and was not drawn just now."""
+        if self.enabled and self.live and time.monotonic() - self.drawn >= REDRAW:
+            self._draw()
+
+    def _draw(self) -> None:
+        now = time.monotonic()
+        if now - self.t0 < self.delay and not self.shown:
+            return
+        self.stream.write(ERASE + self.line(self.label))
+        self.stream.flush()
+        self.shown, self.drawn = True, now
+
+    def line(self, label: str) -> str:
+        frac = min(1.0, self.done / self.total) if self.total else 0.0
+        filled = int(frac * WIDTH)
+        elapsed = time.monotonic() - self.t0
+        eta = f", ~{elapsed / frac - elapsed:.0f}s left" if frac > 0 else ""
+        return (f"[{'#' * filled}{'.' * (WIDTH - filled)}] {self.done}/{self.total or '?'} "
+                f"{label[:40]:<40} {elapsed:5.0f}s{eta}")
+
+    def clear(self) -> None:
+        """Erase the bar (before other output goes to the same terminal)."""
+        if self.shown:
+            self.stream.write(ERASE)
+            self.stream.flush()
+            self.shown = False
+            self.drawn = 0.0
+
+    def close(self) -> None:
+        self.clear()
+        if self._owned:
+            self.stream.close()
+            self._owned = False

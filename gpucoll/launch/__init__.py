@@ -1,6 +1,7 @@
 """The launcher behind ``gpucoll run``: N ranks with rendezvous environment, supervised.
 
-Modules: ``cli`` (arguments), ``config`` (the checked job), ``environ`` (a rank's variables),
-``devices`` (GPU discovery), ``jobstore`` (the job's store), ``procs`` (one rank's process),
-``output`` (prefixed lines, logs), ``signals`` and ``supervisor`` (the event loop), ``report``.
+Modules: ``cli`` (arguments, the job's store, ``main``), ``config`` (the checked job, its GPUs,
+each rank's environment and ``--bind`` placement), ``supervisor`` (rank processes, their
+output, signals, the event loop that stops every rank when one fails, the failure report),
+``checkup`` (the launcher asks ``gpucoll doctor`` about its job: at ``--timeout``, on SIGUSR1).
 """

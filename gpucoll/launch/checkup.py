@@ -11,14 +11,9 @@ from __future__ import annotations
 
 import json
 import os
-import signal
 import subprocess
 import sys
-import time
 from typing import Any
-
-from gpucoll.launch import report
-from gpucoll.launch.procs import Exit, RankProcess
 
 FACTS_FILE = "launcher.json"
 DOCTOR_WAIT_S = 5.0  # how long the ranks get to answer (a loaded machine is slow to)
@@ -37,26 +32,6 @@ def process_state(pid: int | None) -> str:
     return {"T": "stopped", "t": "stopped", "Z": "gone", "X": "gone"}.get(state, "running")
 
 
-def facts(ranks: list[RankProcess], exits: dict[int, Exit], start: float,
-          sent: dict[int, int]) -> dict[str, Any]:
-    """What the launcher knows of each of its ranks, as the doctor reads it; ``sent``: the
-    signal the launcher itself sent a rank (its end is then the launcher's doing)."""
-    out: dict[str, Any] = {}
-    wall = time.time() - time.monotonic()  # monotonic -> epoch seconds
-    for proc in ranks:
-        ended = exits.get(proc.rank)
-        if ended is not None:
-            fact = {"pid": proc.pid, "state": "exited", "returncode": ended.returncode,
-                    "how": report.describe(ended.returncode),
-                    "time": round(ended.time + wall, 3), "after_s": round(ended.time - start, 2)}
-        else:
-            fact = {"pid": proc.pid, "state": process_state(proc.pid)}
-        if proc.rank in sent:
-            fact["stopped_by_launcher"] = signal.Signals(sent[proc.rank]).name
-        out[str(proc.rank)] = fact
-    return {"ranks": out}
-
-
 def clear_dumps(trace_dir: str) -> None:
     """Remove the dumps and facts an earlier job left in ``trace_dir`` (and nothing else)."""
     try:
@@ -72,7 +47,8 @@ def clear_dumps(trace_dir: str) -> None:
 
 
 def save_facts(trace_dir: str, known: dict[str, Any]) -> str:
-    """Write ``known`` (see ``facts``) where ``gpucoll doctor DIR`` finds it; its path."""
+    """Write ``known`` (the launcher's facts about its ranks) where ``gpucoll doctor DIR``
+    finds it; its path."""
     path = os.path.join(trace_dir, FACTS_FILE)
     os.makedirs(trace_dir, exist_ok=True)
     with open(path, "w") as f:

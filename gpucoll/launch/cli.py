@@ -2,17 +2,26 @@
 
 Usage: ``gpucoll run -n 4 train.py --lr 0.1`` (also ``python -m gpucoll.run``). Everything after
 the script (or ``-m module``) is passed to it unchanged.
+
+The job's key-value store is hosted by node 0's launcher, not rank 0, so it is up before any
+rank starts and outlives a rank that fails. A fresh random token keeps other jobs' ranks out of
+it. In a job of several nodes the launchers also meet there: a node whose rank fails posts an
+abort that stops the ranks of every other node, and node 0 keeps the store up until every node
+has finished.
 """
 
 from __future__ import annotations
 
 import argparse
 import os
+import queue
+import secrets
+import socket
+import threading
 
-from gpucoll.errors import StoreError
-from gpucoll.launch.config import LaunchConfig, LaunchError, validate
-from gpucoll.launch.jobstore import JobStore, new_token, torch_port
-from gpucoll.launch.supervisor import Job, console
+from gpucoll.errors import LaunchError, StoreError
+from gpucoll.launch.config import LaunchConfig, bindings, validate
+from gpucoll.launch.supervisor import Job, RemoteAbort, console
 from gpucoll.rendezvous import store_url
 
 EPILOG = """\
@@ -24,9 +33,8 @@ exits with the failed rank's code (128+N for signal N); 124 when --timeout passe
 --keep-going the others go on; see docs/launcher.md for the exit status then.
 Ranks write their flight-recorder dumps to GPUCOLL_TRACE_DIR: the --tee directory, else the
 variable's value, else a new directory under the temporary one, named at the end if a rank
-wrote there. When
---timeout passes, and when the launcher gets SIGUSR1, it runs `gpucoll doctor` on the job and
-prints the diagnosis.
+wrote there. When --timeout passes, and when the launcher gets SIGUSR1, it runs
+`gpucoll doctor` on the job and prints the diagnosis.
 
 several nodes: on every node run
   GPUCOLL_STORE_TOKEN=<shared secret> gpucoll run -n 8 --nnodes 2 --node-rank K \\
@@ -65,6 +73,13 @@ def parser() -> argparse.ArgumentParser:
                    help="require one GPU per rank on this node (fail at start otherwise)")
     p.add_argument("--isolate-gpus", action="store_true",
                    help="let each rank see only its own GPU (CUDA_VISIBLE_DEVICES)")
+    p.add_argument("--bind", action="store_true",
+                   help="pin each rank to the CPUs of its GPU's NUMA node and export its GPU's "
+                   "nearest NICs for NCCL (NCCL_IB_HCA, NCCL_SOCKET_IFNAME), from the topology "
+                   "probe; without GPUs, spread the ranks over the NUMA nodes")
+    p.add_argument("--topology", metavar="FILE",
+                   help="with --bind: read a saved `nvidia-smi topo -m` output instead of "
+                   "probing this machine")
     p.add_argument("-m", dest="module", action="store_true",
                    help="run PROGRAM as a module, like python -m")
     p.add_argument("program", metavar="PROGRAM", help="script.py (or module with -m)")
@@ -80,7 +95,8 @@ def config_from(ns: argparse.Namespace) -> LaunchConfig:
         program=ns.program, args=tuple(ns.args), module=ns.module, nproc=ns.nproc,
         nnodes=ns.nnodes, node_rank=ns.node_rank, master_addr=ns.master_addr,
         master_port=ns.master_port, tee=ns.tee, timeout=ns.timeout, grace=ns.grace,
-        device=ns.device, isolate_gpus=ns.isolate_gpus, token=token, keep_going=ns.keep_going)
+        device=ns.device, isolate_gpus=ns.isolate_gpus, token=token, bind=ns.bind,
+        topology=ns.topology, keep_going=ns.keep_going)
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -95,7 +111,15 @@ def main(argv: list[str] | None = None) -> int:
     if gpus and cfg.nproc > len(gpus):
         out.write("stderr", f"gpucoll run: note: {cfg.nproc} ranks share {len(gpus)} GPU(s); "
                   "NCCL needs one GPU per rank\n".encode())
-    job = Job(cfg, gpus, out)
+    try:
+        binds = bindings(cfg, gpus) if cfg.bind else None
+    except ValueError as exc:  # a --topology file that cannot be read (TopologyParseError)
+        out.write("stderr", f"gpucoll run: error: --bind: {exc}\n".encode())
+        return 2
+    for b in binds or ():
+        if b.line:
+            out.write("stderr", f"gpucoll run: --bind: {b.line}\n".encode())
+    job = Job(cfg, gpus, out, binds)
     try:
         return run_job(cfg, job)
     except (StoreError, OSError) as exc:
@@ -123,3 +147,88 @@ def run_job(cfg: LaunchConfig, job: Job) -> int:
         return store.finish(status)
     finally:
         store.close()
+
+
+# ---- the job's store -----------------------------------------------------------------------------
+
+JOIN_TIMEOUT = 300.0  # how long another node's launcher waits for node 0's store
+PREFIX = "gpucoll-launch/"
+ABORT = PREFIX + "abort"
+
+
+def new_token() -> str:
+    return secrets.token_hex(16)
+
+
+class JobStore:
+    """The store as the launchers use it; ``address`` is what the ranks connect to."""
+
+    def __init__(self, cfg: LaunchConfig, token: str):
+        from gpucoll.store import TCPStore
+
+        self.cfg = cfg
+        if cfg.node_rank == 0:
+            bind = cfg.master_addr if cfg.nnodes == 1 else "0.0.0.0"
+            self.store = TCPStore(bind, cfg.master_port, is_server=True, token=token)
+        else:
+            self.store = TCPStore(cfg.master_addr, cfg.master_port, token=token,
+                                  timeout=JOIN_TIMEOUT)
+        self.address = (cfg.master_addr, self.store.port)
+        self._stop = threading.Event()
+        self._watcher: threading.Thread | None = None
+
+    def watch(self, events: queue.SimpleQueue) -> None:
+        """Post a :class:`RemoteAbort` on ``events`` if another node aborts the job."""
+        if self.cfg.nnodes > 1:
+            self._watcher = threading.Thread(target=self._watch, args=(events,), daemon=True,
+                                             name="gpucoll-abort-watch")
+            self._watcher.start()
+
+    def _watch(self, events: queue.SimpleQueue) -> None:
+        while not self._stop.is_set():
+            try:
+                self.store.wait([ABORT], timeout=0.5)
+            except TimeoutError:
+                continue
+            except StoreError:
+                return  # the store went away: node 0 finished; nothing more to hear
+            status, _, reason = self.store.get(ABORT).decode().partition(":")
+            events.put(RemoteAbort(int(status), reason))
+            return
+
+    def abort(self, status: int, reason: str) -> None:
+        """Tell every other node to stop its ranks (the first abort wins)."""
+        if self.cfg.nnodes > 1:
+            self.store.compare_set(ABORT, b"", f"{status}:{reason}".encode())
+
+    def finish(self, status: int) -> int:
+        """Record this node's exit status; node 0 waits for the others (the store is theirs
+        too) and returns the first non-zero status among the nodes."""
+        self._stop.set()
+        if self.cfg.nnodes == 1:
+            return status
+        self.store.set(f"{PREFIX}done/{self.cfg.node_rank}", str(status))
+        if self.cfg.node_rank != 0:
+            return status
+        keys = [f"{PREFIX}done/{k}" for k in range(self.cfg.nnodes)]
+        self.store.wait(keys, timeout=JOIN_TIMEOUT)
+        statuses = [int(v) for v in self.store.multi_get(keys)]
+        return next((s for s in statuses if s), 0)
+
+    def close(self) -> None:
+        self._stop.set()
+        if self._watcher is not None:
+            self._watcher.join(timeout=5)
+        self.store.close()
+
+
+def torch_port(cfg: LaunchConfig, store_port: int) -> int:
+    """``MASTER_PORT`` for torch.distributed scripts: next to the store's port, or a free one.
+
+    Every node must compute the same value, so a job of several nodes uses store port + 1.
+    """
+    if cfg.nnodes > 1 or cfg.master_port:
+        return store_port + 1
+    with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as s:
+        s.bind((cfg.master_addr, 0))
+        return s.getsockname()[1]

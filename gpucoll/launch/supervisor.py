@@ -8,29 +8,337 @@ In a job of several nodes, a failure on another node stops this node's ranks the
 With ``keep_going`` a rank that fails is reported and the others go on.
 
 When ``timeout`` passes, the launcher first asks ``gpucoll doctor`` where every rank is (and
-prints the answer under the ranks' output); SIGUSR1 asks it the same while the job runs on.
-The ranks write their flight-recorder dumps into the job's trace directory.
+prints the answer under the ranks' output, see ``checkup``); SIGUSR1 asks it the same while the
+job runs on. The ranks write their flight-recorder dumps into the job's trace directory.
+
+Also here, in the order the loop uses them:
+
+- each rank's process: started in its own process group (so the launcher signals a rank
+  together with anything it started, and the terminal's Ctrl-C reaches the ranks only through
+  the launcher), reaped by a thread, and on Linux killed if the launcher itself dies;
+- its output, line by line: ``[rank 3] ...`` on the launcher's stdout or stderr. Each pipe is
+  drained by its own thread, as bytes (binary-safe). Complete lines are written in one call
+  under a lock shared by every rank, so lines of different ranks never mix; a rank's partial
+  writes wait until their line is complete (or its output ends). With ``--tee`` every line also
+  goes, unprefixed, to that rank's log file. A rank may draw a progress line straight onto the
+  launcher's terminal (named to it in ``GPUCOLL_TTY``): on a terminal each line written here
+  first clears the line the cursor is on, so such a bar never splits a rank's line;
+- signals to the launcher (SIGINT, SIGTERM, SIGHUP, and SIGUSR1 that asks for a diagnosis and
+  stops nothing), which only post an event (``SimpleQueue.put`` is safe in a signal handler), so
+  the loop decides;
+- how it tells what happened: exit codes, signal names, the root-cause report.
 """
 
 from __future__ import annotations
 
+import collections
+import contextlib
+import ctypes
+import ctypes.util
 import dataclasses
 import os
 import queue
 import secrets
 import signal
+import subprocess
 import sys
 import tempfile
+import threading
 import time
+from collections.abc import Iterator
+from typing import BinaryIO
 
-from gpucoll.launch import checkup, report
-from gpucoll.launch.config import LaunchConfig
-from gpucoll.launch.environ import rank_env
-from gpucoll.launch.jobstore import RemoteAbort
-from gpucoll.launch.output import Console, RankOutput
-from gpucoll.launch.procs import Exit, RankProcess
-from gpucoll.launch.signals import DIAGNOSE, Received, signals_to
+from gpucoll.launch import checkup
+from gpucoll.launch.config import Binding, LaunchConfig, rank_env
 from gpucoll.rendezvous import store_url
+
+# ---- how the launcher tells what happened --------------------------------------------------------
+
+TIMEOUT_EXIT = 124  # like coreutils `timeout`
+
+
+def exit_status(returncode: int) -> int:
+    """The shell's view of a return code: 128+N for a process killed by signal N."""
+    return 128 - returncode if returncode < 0 else returncode
+
+
+def describe(returncode: int) -> str:
+    """``exit code 3`` or ``signal SIGSEGV (exit 139)``."""
+    if returncode >= 0:
+        return f"exit code {returncode}"
+    try:
+        name = signal.Signals(-returncode).name
+    except ValueError:
+        name = f"signal {-returncode}"
+    return f"signal {name} (exit {exit_status(returncode)})"
+
+
+def root_cause(rank: int, local_rank: int, node_rank: int, pid: int | None, returncode: int,
+               elapsed: float, stderr_tail: list[str], others: list[str]) -> str:
+    """The block printed when a rank fails: the first failure, then what became of the rest."""
+    bar = "=" * 72
+    lines = [
+        bar,
+        f"gpucoll run: rank {rank} failed first (root cause: first observed failure)",
+        bar,
+        f"  rank        : {rank} (local rank {local_rank} on node {node_rank}, pid {pid})",
+        f"  exit        : {describe(returncode)}",
+        f"  after       : {elapsed:.1f} s",
+    ]
+    if stderr_tail:
+        lines.append(f"  last {len(stderr_tail)} line(s) of its stderr:")
+        lines += [f"    {line}" for line in stderr_tail]
+    else:
+        lines.append("  its stderr was empty")
+    if others:
+        lines.append("  other ranks:")
+        lines += [f"    {line}" for line in others]
+    lines.append(bar)
+    return "\n".join(lines)
+
+
+# ---- signals to the launcher ---------------------------------------------------------------------
+
+FORWARDED = (signal.SIGINT, signal.SIGTERM, signal.SIGHUP)
+DIAGNOSE = signal.SIGUSR1
+
+
+@dataclasses.dataclass(frozen=True)
+class Received:
+    """A signal the launcher received."""
+
+    signum: int
+
+    @property
+    def name(self) -> str:
+        return signal.Signals(self.signum).name
+
+
+@contextlib.contextmanager
+def signals_to(events: queue.SimpleQueue) -> Iterator[None]:
+    """While active, each of :data:`FORWARDED` and :data:`DIAGNOSE` is put on ``events``
+    instead of its default."""
+    previous = {}
+    handler = lambda signum, frame: events.put(Received(signum))
+    try:
+        for sig in (*FORWARDED, DIAGNOSE):
+            previous[sig] = signal.signal(sig, handler)
+        yield
+    finally:
+        for sig, old in previous.items():
+            signal.signal(sig, old)
+
+
+# ---- rank output ---------------------------------------------------------------------------------
+
+MAX_LINE = 1 << 16  # a longer line is cut so a rank cannot buffer without bound
+TAIL_LINES = 20  # stderr lines kept per rank for the failure report
+TAIL_WIDTH = 400  # characters of each such line shown in the report
+ERASE_LINE = b"\r\x1b[K"  # carriage return, clear to the end of the line
+TTY_ENV = "GPUCOLL_TTY"
+
+
+class Console:
+    """Where prefixed lines go: the launcher's stdout and stderr, one writer at a time."""
+
+    def __init__(self, stdout: BinaryIO, stderr: BinaryIO):
+        self.streams = {"stdout": stdout, "stderr": stderr}
+        self.ttys = {name: _tty_path(s) for name, s in self.streams.items()}
+        self.lock = threading.Lock()
+
+    def terminal_env(self) -> dict[str, str]:
+        """``GPUCOLL_TTY``: the terminal the launcher's stderr shows, where a rank may draw a
+        progress line directly (its own stderr is a pipe); empty when stderr is no terminal."""
+        tty = self.ttys["stderr"]
+        return {TTY_ENV: tty} if tty else {}
+
+    def write(self, stream: str, data: bytes) -> None:
+        out = self.streams[stream]
+        if self.ttys[stream]:
+            data = ERASE_LINE + data
+        with self.lock:
+            try:
+                out.write(data)
+                out.flush()
+            except (BrokenPipeError, ValueError):
+                pass  # nobody reads any more (e.g. `| head`); keep draining the ranks
+
+
+def _tty_path(stream: BinaryIO) -> str | None:
+    try:
+        fd = stream.fileno()
+        return os.ttyname(fd) if os.isatty(fd) else None
+    except (OSError, ValueError, AttributeError):  # no file descriptor (tests pass BytesIO)
+        return None
+
+
+class RankOutput:
+    """Pumps one rank's stdout and stderr to the console (and its log), keeping a stderr tail."""
+
+    def __init__(self, rank: int, console: Console, log_path: str | None = None):
+        self.rank = rank
+        self.prefix = f"[rank {rank}] ".encode()
+        self.console = console
+        self.tail: collections.deque[bytes] = collections.deque(maxlen=TAIL_LINES)
+        self.log = open(log_path, "wb") if log_path else None  # closed in join()
+        self.log_lock = threading.Lock()
+        self.threads: list[threading.Thread] = []
+
+    def start(self, stream: str, fd: int) -> None:
+        """Drain ``fd`` (a pipe the rank writes as ``stream``) until the rank closes it."""
+        t = threading.Thread(target=self._pump, args=(stream, fd),
+                             name=f"gpucoll-out-{self.rank}-{stream}", daemon=True)
+        t.start()
+        self.threads.append(t)
+
+    def join(self, timeout: float) -> None:
+        """Wait for the pipes to reach their end (the rank and its children have exited)."""
+        for t in self.threads:
+            t.join(timeout)
+        if self.log is not None:
+            with self.log_lock:
+                self.log.close()
+
+    def last_stderr(self) -> list[str]:
+        """The rank's last stderr lines as text, each cut to :data:`TAIL_WIDTH` characters."""
+        lines = [line.decode(errors="replace") for line in self.tail]
+        return [t if len(t) <= TAIL_WIDTH else t[:TAIL_WIDTH] + " [...]" for t in lines]
+
+    def _pump(self, stream: str, fd: int) -> None:
+        pending = b""
+        try:
+            while chunk := os.read(fd, 1 << 16):
+                lines = (pending + chunk).split(b"\n")
+                pending = lines.pop()
+                while len(pending) >= MAX_LINE:
+                    lines.append(pending[:MAX_LINE])
+                    pending = pending[MAX_LINE:]
+                for line in lines:
+                    self._emit(stream, line)
+        except OSError:
+            pass
+        finally:
+            if pending:
+                self._emit(stream, pending)
+            os.close(fd)
+
+    def _emit(self, stream: str, line: bytes) -> None:
+        self.console.write(stream, self.prefix + line + b"\n")
+        if stream == "stderr":
+            self.tail.append(line)
+        if self.log is not None:
+            with self.log_lock:
+                if not self.log.closed:
+                    self.log.write(line + b"\n")
+                    self.log.flush()
+
+
+# ---- rank processes ------------------------------------------------------------------------------
+
+_PR_SET_PDEATHSIG = 1
+
+
+def _die_with_parent_hook():
+    """A preexec function making the child receive SIGKILL when the launcher dies (Linux)."""
+    if not sys.platform.startswith("linux"):
+        return None
+    try:
+        prctl = ctypes.CDLL(ctypes.util.find_library("c") or "libc.so.6", use_errno=True).prctl
+    except (OSError, AttributeError):
+        return None
+    # Resolved now, before any fork: the child only makes the call.
+    return lambda: prctl(_PR_SET_PDEATHSIG, signal.SIGKILL, 0, 0, 0)
+
+
+_DIE_WITH_PARENT = _die_with_parent_hook()
+
+
+def _preexec(cpus: frozenset[int] | None):
+    """The child's set-up before it runs the rank: die with the launcher, and keep to ``cpus``
+    (set before exec, so every thread the rank ever starts inherits it)."""
+    if not cpus:
+        return _DIE_WITH_PARENT
+    die = _DIE_WITH_PARENT or (lambda: None)
+
+    def setup() -> None:
+        die()
+        os.sched_setaffinity(0, cpus)
+
+    return setup
+
+
+@dataclasses.dataclass(frozen=True)
+class Exit:
+    """A rank that ended: its return code as Popen reports it (negative: killed by a signal)."""
+
+    rank: int
+    returncode: int
+    time: float
+
+
+class RankProcess:
+    """A running rank with its output pumps; exits are posted to a queue shared by the job."""
+
+    def __init__(self, rank: int, local_rank: int, output: RankOutput):
+        self.rank = rank
+        self.local_rank = local_rank
+        self.output = output
+        self.proc: subprocess.Popen | None = None
+        self.started = 0.0
+
+    @property
+    def pid(self) -> int | None:
+        return None if self.proc is None else self.proc.pid
+
+    def start(self, argv: list[str], env: dict[str, str], exits: queue.Queue,
+              cpus: frozenset[int] | None = None) -> None:
+        """Start the rank (pinned to ``cpus`` when given); its exit is put on ``exits`` as an
+        :class:`Exit`."""
+        out_r, out_w = os.pipe()
+        err_r, err_w = os.pipe()
+        try:
+            self.proc = subprocess.Popen(
+                argv, env=env, stdin=subprocess.DEVNULL, stdout=out_w, stderr=err_w,
+                start_new_session=True, preexec_fn=_preexec(cpus))
+        except BaseException:
+            for fd in (out_r, err_r):
+                os.close(fd)
+            raise
+        finally:
+            os.close(out_w)
+            os.close(err_w)
+        self.started = time.monotonic()
+        self.output.start("stdout", out_r)
+        self.output.start("stderr", err_r)
+        threading.Thread(target=self._wait, args=(exits,), daemon=True,
+                         name=f"gpucoll-wait-{self.rank}").start()
+
+    def _wait(self, exits: queue.Queue) -> None:
+        code = self.proc.wait()
+        exits.put(Exit(self.rank, code, time.monotonic()))
+
+    def running(self) -> bool:
+        return self.proc is not None and self.proc.returncode is None
+
+    def signal(self, sig: int) -> None:
+        """Send ``sig`` to the rank's whole process group (a no-op once it is gone)."""
+        if self.proc is None:
+            return
+        try:
+            os.killpg(self.proc.pid, sig)
+        except (ProcessLookupError, PermissionError):
+            pass
+
+
+@dataclasses.dataclass(frozen=True)
+class RemoteAbort:
+    """Another node's launcher stopped the job: its exit status and why."""
+
+    status: int
+    reason: str
+
+
+# ---- the job -------------------------------------------------------------------------------------
 
 OUTPUT_DRAIN = 5.0  # seconds to wait for a finished rank's last output
 
@@ -51,9 +359,11 @@ class Deadlines:
 class Job:
     """One node's share of a job: ``nproc`` ranks under supervision."""
 
-    def __init__(self, cfg: LaunchConfig, gpus: list[str], console: Console):
+    def __init__(self, cfg: LaunchConfig, gpus: list[str], console: Console,
+                 binds: list[Binding] | None = None):
         self.cfg = cfg
         self.gpus = gpus
+        self.binds = binds
         self.console = console
         self.events: queue.SimpleQueue = queue.SimpleQueue()
         self.ranks: list[RankProcess] = []
@@ -94,7 +404,12 @@ class Job:
             self.ranks.append(proc)
             env = {**os.environ, **rank_env(self.cfg, local, store, token, torch_port,
                                              self.gpus), "GPUCOLL_TRACE_DIR": self.trace_dir}
-            proc.start(argv, env, self.events)
+            env.pop(TTY_ENV, None)  # an outer launcher's terminal is not necessarily ours
+            env.update(self.console.terminal_env())
+            bind = self.binds[local] if self.binds else None
+            if bind is not None:
+                env.update(bind.env)
+            proc.start(argv, env, self.events, cpus=bind.cpus if bind else None)
 
     # ---- supervise ---------------------------------------------------------------------
 
@@ -118,16 +433,16 @@ class Job:
         if isinstance(event, Exit):
             self.exits[event.rank] = event
             if event.returncode != 0 and self.cfg.keep_going and event.rank not in self.sent:
-                self._note(f"rank {event.rank} failed ({report.describe(event.returncode)}); "
+                self._note(f"rank {event.rank} failed ({describe(event.returncode)}); "
                            f"the other ranks go on (--keep-going)")
                 if self.first_failure is None:
                     self.first_failure = event
             elif event.returncode != 0 and self._is_failure(event):
                 self.first_failure = event
                 self._schedule_stop(term_after=self.cfg.grace)
-                self.on_failure(report.exit_status(event.returncode),
+                self.on_failure(exit_status(event.returncode),
                                 f"rank {event.rank} on node {self.cfg.node_rank} failed "
-                                f"({report.describe(event.returncode)})")
+                                f"({describe(event.returncode)})")
         elif isinstance(event, Received):
             self._on_signal(event)
         elif isinstance(event, RemoteAbort) and self._quiet():
@@ -175,7 +490,7 @@ class Job:
                 self._note(f"job timed out after {self.cfg.timeout:g} s; asking gpucoll doctor "
                            f"why, then stopping ranks {[p.rank for p in self._running()]}")
                 self.diagnosis = self._checkup()
-                d.term = time.monotonic()
+                d.term = now = time.monotonic()
         if d.term is not None and now >= d.term:
             d.term = None
             self._signal_running(signal.SIGTERM)
@@ -189,8 +504,26 @@ class Job:
         the job answers through)."""
         if self.cfg.node_rank != 0:
             return "gpucoll run: the diagnosis is node 0's (its launcher hosts the job's store)"
-        known = checkup.facts(self.ranks, self.exits, self.start, self.sent)
-        return checkup.run_doctor(self.store_url, self.token, self.trace_dir, known)
+        return checkup.run_doctor(self.store_url, self.token, self.trace_dir, self._facts())
+
+    def _facts(self) -> dict:
+        """What the launcher knows of each of its ranks, as the doctor reads it: pid, running
+        or stopped, how a finished one ended, and the signal the launcher itself sent one (its
+        end is then the launcher's doing)."""
+        out = {}
+        wall = time.time() - time.monotonic()  # monotonic -> epoch seconds
+        for proc in self.ranks:
+            ended = self.exits.get(proc.rank)
+            if ended is not None:
+                fact = {"pid": proc.pid, "state": "exited", "returncode": ended.returncode,
+                        "how": describe(ended.returncode), "time": round(ended.time + wall, 3),
+                        "after_s": round(ended.time - self.start, 2)}
+            else:
+                fact = {"pid": proc.pid, "state": checkup.process_state(proc.pid)}
+            if proc.rank in self.sent:
+                fact["stopped_by_launcher"] = signal.Signals(self.sent[proc.rank]).name
+            out[str(proc.rank)] = fact
+        return {"ranks": out}
 
     def _running(self) -> list[RankProcess]:
         return [p for p in self.ranks if p.rank not in self.exits]
@@ -221,11 +554,11 @@ class Job:
             self._point_at_dumps()
             if self.cfg.keep_going:
                 return self._kept_going()
-            return report.exit_status(self.first_failure.returncode)
+            return exit_status(self.first_failure.returncode)
         if self.timed_out:
             self._report_timeout()
             self._point_at_dumps()
-            return report.TIMEOUT_EXIT
+            return TIMEOUT_EXIT
         if self.interrupt is not None:
             self._note(f"interrupted by {self.interrupt.name}: "
                        + "; ".join(self._fate(p) for p in self.ranks))
@@ -237,7 +570,7 @@ class Job:
     def _report_failure(self, first: Exit) -> None:
         proc = self.ranks[first.rank - self.cfg.global_rank(0)]
         others = [self._fate(p) for p in self.ranks if p is not proc]
-        self._note(report.root_cause(
+        self._note(root_cause(
             first.rank, proc.local_rank, self.cfg.node_rank, proc.pid, first.returncode,
             first.time - self.start, proc.output.last_stderr(), others), raw=True)
 
@@ -249,12 +582,12 @@ class Job:
         finished = sorted(e.rank for e in ended if e.returncode == 0)
         lost = sorted(e.rank for e in ended if e.returncode < 0 and e.rank not in self.sent)
         if coded:
-            return report.exit_status(coded[0].returncode)
+            return exit_status(coded[0].returncode)
         if finished:
             self._note(f"--keep-going: {_ranks(lost)} lost, {_ranks(finished)} finished; the "
                        f"job succeeds")
             return 0
-        return report.exit_status(self.first_failure.returncode)
+        return exit_status(self.first_failure.returncode)
 
     def _point_at_dumps(self) -> None:
         """Say where the ranks' dumps are, and leave the launcher's facts beside them."""
@@ -262,8 +595,7 @@ class Job:
             if os.path.isdir(self.trace_dir) else []
         if dumps:
             if not self.diagnosis:  # else keep what the launcher knew when the job hung
-                checkup.save_facts(self.trace_dir, checkup.facts(self.ranks, self.exits,
-                                                                 self.start, self.sent))
+                checkup.save_facts(self.trace_dir, self._facts())
             self._note(f"flight recorders of {len(dumps)} rank(s) in {self.trace_dir}; "
                        f"`gpucoll doctor {self.trace_dir}` reads them")
 
@@ -281,7 +613,7 @@ class Job:
 
     def _fate(self, proc: RankProcess) -> str:
         ended = self.exits.get(proc.rank)
-        how = report.describe(ended.returncode) if ended else "did not exit"
+        how = describe(ended.returncode) if ended else "did not exit"
         if proc.rank in self.sent:
             return (f"rank {proc.rank}: stopped by the launcher "
                     f"({signal.Signals(self.sent[proc.rank]).name}), {how}")

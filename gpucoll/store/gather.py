@@ -4,9 +4,10 @@ is left after a rank was lost (``agree_survivors``).
 
 Start-up steps (the ring's address exchange, NCCL's arrival, ``backend="auto"``'s verdicts) and
 store-side collectives (a split's colours, a debug signature check) each publish one key per rank
-and need every other rank's. A rank that never shows up becomes a ``CollectiveTimeout`` naming
-it at the deadline; with a ``Liveness``, a rank that died becomes a ``PeerFailure`` naming it
-within about a second, through the will every rank leaves in the group's namespace.
+and need every other rank's: ``share`` does both, ``gather`` and ``wait_for_ranks`` the wait.
+A rank that never shows up becomes a ``CollectiveTimeout`` naming it at the deadline; with a
+``Liveness``, a rank that died becomes a ``PeerFailure`` naming it within about a second,
+through the will every rank leaves in the group's namespace.
 """
 
 from __future__ import annotations
@@ -125,6 +126,15 @@ def gather(store: Any, keys: Sequence[str], timeout: float, *, what: str, rank: 
     wait_for_ranks(store, keys, timeout, what=what, rank=rank, absent=absent,
                    liveness=liveness, poll=poll, ranks=ranks)
     return store.multi_get(list(keys))
+
+
+def share(store: Any, keys: Sequence[str], value: bytes | str, timeout: float, *, what: str,
+          rank: int, absent: str = "never arrived",
+          liveness: Liveness | None = None) -> list[bytes]:
+    """A store-side all_gather: set this rank's ``value`` under ``keys[rank]``, then return every
+    rank's (rank order) once all are there; errors as ``wait_for_ranks``."""
+    store.set(keys[rank], value)
+    return gather(store, keys, timeout, what=what, rank=rank, absent=absent, liveness=liveness)
 
 
 def fetch(store: Any, key: str, owner: int, timeout: float, *, what: str, rank: int,

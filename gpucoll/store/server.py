@@ -7,10 +7,14 @@ What one client can make the server hold is bounded (``StoreLimits``): a small f
 before its token is checked, so many unsent replies before the server stops reading its requests
 (TCP then holds the client's further sends back), so many parked requests; and a frame's header
 alone never makes the server allocate memory its bytes have not arrived for.
+
+``gpucoll store`` (``main`` here) runs one standalone, for multi-node jobs that some other
+launcher starts: ranks connect to it through ``GPUCOLL_STORE=tcp://HOST:PORT``.
 """
 
 from __future__ import annotations
 
+import argparse
 import collections
 import dataclasses
 import errno
@@ -22,8 +26,10 @@ import logging
 import os
 import resource
 import select
+import signal
 import socket
 import struct
+import sys
 import threading
 import time
 import warnings
@@ -767,3 +773,62 @@ def _expect_args(frame: Frame, args: list[bytes], n: int) -> None:
 
 def _show(key: bytes) -> str:
     return repr(key.decode("utf-8", "replace"))
+
+
+# ---- gpucoll store -------------------------------------------------------------------------------
+
+def env_token() -> str | None:
+    """The shared token from GPUCOLL_STORE_TOKEN, or None when unset or empty."""
+    return os.environ.get("GPUCOLL_STORE_TOKEN") or None
+
+
+def build_parser() -> argparse.ArgumentParser:
+    p = argparse.ArgumentParser(
+        prog="gpucoll store",
+        description="Serve a gpucoll key-value store until interrupted. Point ranks at it with "
+                    "GPUCOLL_STORE=tcp://HOST:PORT (and the same GPUCOLL_STORE_TOKEN).")
+    p.add_argument("--host", default="0.0.0.0", help="address to listen on (default 0.0.0.0)")
+    p.add_argument("--port", type=int, default=29500,
+                   help="port to listen on; 0 picks a free one (default 29500)")
+    p.add_argument("--token", default=None,
+                   help="shared secret clients must present (default: $GPUCOLL_STORE_TOKEN)")
+    p.add_argument("--max-value-bytes", type=int, default=DEFAULT_MAX_VALUE_BYTES,
+                   help=f"largest value accepted (default {DEFAULT_MAX_VALUE_BYTES})")
+    d = StoreLimits()
+    p.add_argument("--max-hello-bytes", type=int, default=d.hello_bytes,
+                   help=f"largest first message, read before the token is checked "
+                        f"(default {d.hello_bytes})")
+    p.add_argument("--max-buffered-bytes", type=int, default=d.buffered_bytes,
+                   help=f"unread replies per client before the server stops reading its "
+                        f"requests until it catches up (default {d.buffered_bytes})")
+    p.add_argument("--max-waiting", type=int, default=d.waiting,
+                   help=f"requests one client may have waiting for keys (default {d.waiting})")
+    return p
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = build_parser()
+    args = parser.parse_args(argv)
+    token = args.token if args.token is not None else env_token()
+    try:
+        limits = StoreLimits(hello_bytes=args.max_hello_bytes,
+                             buffered_bytes=args.max_buffered_bytes, waiting=args.max_waiting)
+        server = StoreServer(args.host, args.port, token=token,
+                             max_value_bytes=args.max_value_bytes, limits=limits)
+    except ValueError as exc:
+        parser.error(str(exc))
+    signal.signal(signal.SIGTERM, lambda *_: server.close())
+    host = args.host if ":" not in args.host else f"[{args.host}]"
+    print(f"gpucoll store: serving tcp://{host}:{server.port}"
+          f"{' (token required)' if token else ''}", flush=True)
+    try:
+        server.serve_forever()
+    except KeyboardInterrupt:
+        pass
+    finally:
+        server.close()
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

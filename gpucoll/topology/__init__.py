@@ -1,15 +1,18 @@
 """Topology probe: what connects to what (NVLink, PCIe, NICs, CPUs), and what follows from it.
 
-Readers gather raw facts (:mod:`.nvml`, :mod:`.sysfs`, :mod:`.smi` for saved
-``nvidia-smi topo -m`` outputs); :mod:`.layout` draws the conclusions; ``render_*`` show them.
-This package knows nothing of collectives: the communicator only asks it for a ring order.
+Modules: ``facts`` (raw facts as each source gives them), ``smi`` (saved ``nvidia-smi topo -m``
+outputs, however pasted), ``probe`` (this machine: NVML and sysfs), ``layout`` (what it all
+means: labels, bandwidth classes, nearest NICs, the ring order, warnings), ``placement`` (where
+each rank of a job should run), ``render`` (text, JSON, Graphviz, PNG), ``cli`` (``gpucoll
+topo``). This package knows nothing of collectives: the communicator only asks it for a ring
+order, and the launcher where its ranks go.
 """
 
 from __future__ import annotations
 
 from collections.abc import Iterable
 
-from gpucoll.topology.errors import TopologyParseError, TopologyUnavailable
+from gpucoll.errors import TopologyParseError, TopologyUnavailable
 from gpucoll.topology.layout import Layout, ring_over
 from gpucoll.topology.probe import load, probe
 

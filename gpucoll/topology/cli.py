@@ -5,7 +5,7 @@ from __future__ import annotations
 import argparse
 import sys
 
-from gpucoll.topology.errors import TopologyParseError, TopologyUnavailable
+from gpucoll.errors import TopologyParseError, TopologyUnavailable
 
 
 def parser() -> argparse.ArgumentParser:
@@ -21,6 +21,9 @@ def parser() -> argparse.ArgumentParser:
     p.add_argument("--png", metavar="FILE", help="also draw a picture into FILE")
     p.add_argument("--sysfs-root", default="/", metavar="DIR",
                    help="read DIR/sys/bus/pci/devices (a copied tree) instead of /")
+    p.add_argument("--suggest", type=int, metavar="N",
+                   help="print where N ranks should run: the CUDA_VISIBLE_DEVICES order, each "
+                        "rank's CPUs and NICs (what `gpucoll run --bind` applies)")
     return p
 
 
@@ -29,6 +32,10 @@ def main(argv: list[str] | None = None) -> int:
     if args.json and args.dot:
         print("gpucoll topo: choose one of --json and --dot", file=sys.stderr)
         return 2
+    if args.suggest is not None and (args.suggest < 1 or args.dot or args.png):
+        print("gpucoll topo: --suggest takes a number of ranks (1 or more), with --json or "
+              "alone", file=sys.stderr)
+        return 2
     from gpucoll.topology.probe import load, probe
 
     try:
@@ -36,9 +43,14 @@ def main(argv: list[str] | None = None) -> int:
     except (TopologyUnavailable, TopologyParseError) as exc:
         print(f"gpucoll topo: {exc}", file=sys.stderr)
         return 1
+    if args.suggest is not None:
+        from gpucoll.topology.render import render_suggestion
+
+        print(render_suggestion(layout, args.suggest, as_json=args.json), end="")
+        return 0
     print(_render(layout, args), end="")
     if args.png:
-        from gpucoll.topology.render_png import render_png
+        from gpucoll.topology.render import render_png
 
         render_png(layout, args.png)
     return 0
@@ -46,13 +58,13 @@ def main(argv: list[str] | None = None) -> int:
 
 def _render(layout, args: argparse.Namespace) -> str:
     if args.json:
-        from gpucoll.topology.render_json import render_json
+        from gpucoll.topology.render import render_json
 
         return render_json(layout)
     if args.dot:
-        from gpucoll.topology.render_dot import render_dot
+        from gpucoll.topology.render import render_dot
 
         return render_dot(layout)
-    from gpucoll.topology.render_text import render_text
+    from gpucoll.topology.render import render_text
 
     return render_text(layout)

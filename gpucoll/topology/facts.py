@@ -105,3 +105,4 @@ class SmiFacts:
     nic_legend: dict[str, str] = field(default_factory=dict)  # "NIC0" -> "mlx5_0"
     legend: dict[str, str] = field(default_factory=dict)  # label -> meaning, as printed
     tab_separated: bool = False
+    notes: tuple[str, ...] = ()  # what the reader inferred from a damaged paste

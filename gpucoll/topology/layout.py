@@ -1,18 +1,154 @@
 """What a topology means: pure functions from observed devices and path labels to a Layout.
 
-The builders in :mod:`gpucoll.topology.build` turn each source's raw facts into one
-:class:`Observed`; :func:`analyze` draws every conclusion from it, whatever the source.
+The readers (:mod:`.smi`, :mod:`.probe`) turn each source's raw facts into one
+:class:`Observed`; :func:`analyze` draws every conclusion from it, whatever the source. Here
+too: the vocabulary of ``nvidia-smi topo -m`` (labels, how near each one is, bandwidth
+classes), and the ring order that keeps neighbours on the fastest links. A ring collective runs
+at the speed of its slowest hop, so orders are compared by their slowest hop first, then by the
+sum of all hops, then lexicographically (so the answer is deterministic).
 """
 
 from __future__ import annotations
 
 import re
-from collections.abc import Iterable
+from collections.abc import Callable, Iterable, Sequence
 from dataclasses import dataclass, field
+from itertools import permutations
 
-from gpucoll.topology import labels
 from gpucoll.topology.facts import PcieLink
-from gpucoll.topology.ring import best_ring
+
+# ---- the labels of nvidia-smi topo -m ------------------------------------------------------------
+
+# PCIe path labels, nearest first. Drivers before the NODE/SYS split printed SOC for any path
+# crossing the CPU socket interconnect; it means what SYS means now.
+PCIE_LEVELS = ("PIX", "PXB", "PHB", "NODE", "SYS")
+ALIASES = {"SOC": "SYS"}
+
+LEGEND = (
+    ("X", "Self"),
+    ("SYS", "Connection traversing PCIe as well as the SMP interconnect between NUMA nodes "
+            "(e.g., QPI/UPI)"),
+    ("NODE", "Connection traversing PCIe as well as the interconnect between PCIe Host Bridges "
+             "within a NUMA node"),
+    ("PHB", "Connection traversing PCIe as well as a PCIe Host Bridge (typically the CPU)"),
+    ("PXB", "Connection traversing multiple PCIe bridges (without traversing the PCIe Host "
+            "Bridge)"),
+    ("PIX", "Connection traversing at most a single PCIe bridge"),
+    ("NV#", "Connection traversing a bonded set of # NVLinks"),
+)
+
+# Bandwidth classes, fastest first: NVLink; PCIe peer-to-peer below a switch; PCIe through the
+# CPU's root complex(es) of one socket; PCIe across the socket interconnect.
+BANDWIDTH_CLASSES = ("nvlink", "pcie-switch", "pcie-host", "cross-socket")
+
+_NV = re.compile(r"NV(\d+)\Z")
+
+
+def is_label(cell: str) -> bool:
+    """True for any label nvidia-smi prints in its matrix (old drivers' SOC included)."""
+    return cell == "X" or cell in PCIE_LEVELS or cell in ALIASES or _NV.match(cell) is not None
+
+
+def nvlinks(label: str | None) -> int:
+    """The number of bonded NVLinks a label names (NV12 -> 12), 0 for PCIe """
+    match = _NV.match(label or "")
+    return int(match.group(1)) if match else 0
+
+
+def pcie_level(label: str | None) -> int | None:
+    """Index of a PCIe label in PCIE_LEVELS (0 = PIX, nearest), None for NV#, X or unknown."""
+    label = ALIASES.get(label or "", label)
+    return PCIE_LEVELS.index(label) if label in PCIE_LEVELS else None
+
+
+def crosses_sockets(label: str | None) -> bool:
+    """True when the path goes over the CPU socket interconnect (SYS, or SOC of old drivers)."""
+    return ALIASES.get(label or "", label) == "SYS"
+
+
+def weight(label: str | None) -> int:
+    """A path's speed as an orderable number: any NVLink beats any PCIe, more links beat fewer.
+
+    Unknown paths weigh 0, below the slowest PCIe path.
+    """
+    links = nvlinks(label)
+    if links:
+        return 100 + links
+    level = pcie_level(label)
+    return 0 if level is None else len(PCIE_LEVELS) - level
+
+
+def bandwidth_class(label: str | None) -> str | None:
+    """The bandwidth class of a path label (see BANDWIDTH_CLASSES); None when unknown."""
+    if nvlinks(label):
+        return "nvlink"
+    level = pcie_level(label)
+    if level is None:
+        return None
+    return ("pcie-switch", "pcie-switch", "pcie-host", "pcie-host", "cross-socket")[level]
+
+
+# ---- ring order ----------------------------------------------------------------------------------
+
+EXACT_UP_TO = 9  # (n-1)!/2 rings: 20160 for 9 nodes, checked in well under a second
+
+
+def best_ring(nodes: Sequence[int], speed: Callable[[int, int], int]) -> list[int]:
+    """The best ring over ``nodes`` (higher speed = faster hop), starting at the smallest node."""
+    nodes = sorted(nodes)
+    if len(nodes) <= 3:
+        return nodes
+    if len(nodes) <= EXACT_UP_TO:
+        return _exhaustive(nodes, speed)
+    return _two_opt(_greedy(nodes, speed), speed)
+
+
+def ring_key(order: Sequence[int], speed: Callable[[int, int], int]) -> tuple[int, int]:
+    """(slowest hop, sum of hops) of the closed ring ``order``: larger is better."""
+    hops = [speed(a, b) for a, b in zip(order, [*order[1:], order[0]], strict=True)]
+    return min(hops), sum(hops)
+
+
+def _exhaustive(nodes: list[int], speed: Callable[[int, int], int]) -> list[int]:
+    first, rest = nodes[0], nodes[1:]
+    best, best_key = None, None
+    for perm in permutations(rest):
+        if perm[0] > perm[-1]:  # the same ring walked backwards
+            continue
+        order = [first, *perm]
+        key = ring_key(order, speed)
+        if best_key is None or key > best_key:  # permutations come in lexicographic order
+            best, best_key = order, key
+    return best
+
+
+def _greedy(nodes: list[int], speed: Callable[[int, int], int]) -> list[int]:
+    """Nearest-neighbour tour from the smallest node: always step to the fastest unvisited one."""
+    order, left = [nodes[0]], set(nodes[1:])
+    while left:
+        here = order[-1]
+        order.append(max(sorted(left), key=lambda n: speed(here, n)))
+        left.remove(order[-1])
+    return order
+
+
+def _two_opt(order: list[int], speed: Callable[[int, int], int]) -> list[int]:
+    """Reverse segments while that improves the ring; bounded, and deterministic."""
+    key = ring_key(order, speed)
+    for _ in range(len(order) ** 2):
+        improved = False
+        for i in range(1, len(order) - 1):
+            for j in range(i + 1, len(order)):
+                cand = order[:i] + order[i:j + 1][::-1] + order[j + 1:]
+                cand_key = ring_key(cand, speed)
+                if cand_key > key:
+                    order, key, improved = cand, cand_key, True
+        if not improved:
+            break
+    return order
+
+
+# ---- the layout ----------------------------------------------------------------------------------
 
 # No GPU has more NVLinks than this (H100: 18). A GPU whose pair counts add up to more must
 # reach its peers through NVSwitches, which report every link to every peer.
@@ -36,6 +172,7 @@ class Device:
     gpu_numa_id: str | None = None  # as printed; a NUMA node of the GPU's own memory (GH200)
     pcie: PcieLink | None = None
     nvlinks_down: tuple[int, ...] = ()  # link numbers NVML reports as supported but inactive
+    netdevs: tuple[str, ...] = ()  # a NIC's network interfaces (ib0, ens1f0), where known
 
 
 @dataclass(frozen=True)
@@ -43,7 +180,7 @@ class Finding:
     """A warning about the layout: a stable code, a sentence, and the devices concerned."""
 
     code: str  # cross-socket | no-nearby-nic | pcie-degraded | nvlink-down | nvlink-uneven |
-    #            p2p-unavailable | partial | no-driver
+    #            p2p-unavailable | partial | no-driver | inferred
     message: str
     devices: tuple[str, ...] = ()
 
@@ -119,7 +256,7 @@ def nvlink_pairs(matrix: dict[str, dict[str, str | None]], gpus: list[str]) -> d
     out = {}
     for i, a in enumerate(gpus):
         for b in gpus[i + 1:]:
-            links = labels.nvlinks(matrix[a][b])
+            links = nvlinks(matrix[a][b])
             if links:
                 out[(a, b)] = links
     return out
@@ -157,7 +294,7 @@ def nearest_nics(obs: Observed) -> dict[str, tuple[list[str], str]]:
     nics = [d.name for d in obs.devices if d.kind == "nic"]
     out = {}
     for gpu in (d.name for d in obs.devices if d.kind == "gpu"):
-        levels = {n: labels.pcie_level(obs.matrix[gpu][n]) for n in nics}
+        levels = {n: pcie_level(obs.matrix[gpu][n]) for n in nics}
         known = [lv for lv in levels.values() if lv is not None]
         if known:
             best = min(known)
@@ -168,7 +305,7 @@ def nearest_nics(obs: Observed) -> dict[str, tuple[list[str], str]]:
 
 def bandwidth(matrix: dict, gpus: list[str]) -> dict[str, dict[str, str | None]]:
     """GPU -> GPU -> bandwidth class of the path between them (None on the diagonal)."""
-    return {a: {b: None if a == b else labels.bandwidth_class(matrix[a][b]) for b in gpus}
+    return {a: {b: None if a == b else bandwidth_class(matrix[a][b]) for b in gpus}
             for a in gpus}
 
 
@@ -185,10 +322,10 @@ def ring_over(obs: Observed, gpus: Iterable[int]) -> list[int]:
     if unknown:
         raise ValueError(f"gpus {unknown} are not in the topology (it has GPUs {sorted(known)})")
 
-    def weight(a: int, b: int) -> int:
-        return labels.weight(obs.matrix[f"GPU{a}"][f"GPU{b}"])
+    def hop(a: int, b: int) -> int:
+        return weight(obs.matrix[f"GPU{a}"][f"GPU{b}"])
 
-    return best_ring(gpus, weight)
+    return best_ring(gpus, hop)
 
 
 def findings(layout: Layout) -> list[Finding]:
@@ -217,7 +354,7 @@ def _p2p_blocked(layout: Layout) -> list[Finding]:
 def _cross_socket(layout: Layout) -> list[Finding]:
     gpus = [d.name for d in layout.gpus]
     pairs = [(a, b) for i, a in enumerate(gpus) for b in gpus[i + 1:]
-             if labels.crosses_sockets(layout.matrix[a][b])]
+             if crosses_sockets(layout.matrix[a][b])]
     if not pairs:
         return []
     text = ", ".join(f"{a}-{b}" for a, b in pairs)
@@ -230,7 +367,7 @@ def _no_nearby_nic(layout: Layout) -> list[Finding]:
     """GPUs whose nearest NIC is beyond a PCIe switch, where GPUDirect RDMA is slow or off."""
     out = []
     for gpu, (nics, label) in layout.nearest_nic.items():
-        if labels.pcie_level(label) > labels.PCIE_LEVELS.index("PXB"):
+        if pcie_level(label) > PCIE_LEVELS.index("PXB"):
             out.append(Finding("no-nearby-nic", f"{gpu} has no NIC below a shared PCIe switch "
                                f"(nearest: {', '.join(nics)} at {label}); GPUDirect RDMA will "
                                "be slow or disabled for it", (gpu, *nics)))
