@@ -1,15 +1,16 @@
 """Python-side cost of one collective call on the NCCL backend, with NCCL and CUDA as no-ops.
 
-What is measured is everything gpucoll does around ``ncclAllReduce`` & co: argument checks,
-turning the array into a pointer, resolving the stream, recording the completion event and
-handing it to the watchdog. NCCL's and CUDA's own cost is left out (their calls return at once),
-and so is CuPy's own cost of allocating a result (the stand-in allocator hands out a block of
-one arena, like a warm memory pool, without touching memory), so this runs without a GPU. The
-calls run on rank 0 of a two-rank communicator whose NCCL does nothing, so the grouped
-send/recv paths of gather, scatter and all-to-all run as they would across GPUs. On more than
-one rank the ranks of a scatter first agree on the slot layout through the store (the only
-per-call store traffic; the absent rank 1's side of it is put in the store beforehand); a
-one-rank scatter shows the cost without it. Target: at most 10 us per call.
+What is measured is everything gpucoll does around nccl4py's ``allreduce`` & co: argument
+checks, turning the array into a pointer and the pointer into the CuPy view nccl4py reads,
+resolving the stream and ordering it, the device guard, polling the communicator's state,
+recording the completion event and handing it to the watchdog. NCCL's and CUDA's own cost is
+left out (their calls return at once), and so is CuPy's own cost of allocating a result (the
+stand-in allocator hands out a block of one arena, like a warm memory pool, without touching
+memory), so this runs without a GPU. The calls run on rank 0 of a two-rank communicator whose
+NCCL does nothing, so the grouped send/recv paths of gather, scatter and all-to-all run as they
+would across GPUs. On more than one rank the ranks of a scatter first agree on the slot layout
+through the store (the only per-call store traffic; the absent rank 1's side of it is put in the
+store beforehand); a one-rank scatter shows the cost without it. Target: at most 10 us per call.
 
 The flight recorder's rows time what the communicator adds to every call for it, alone: making
 the call's entry and stamping its start and end (two clock reads). Its budget is 0.5 us per
@@ -41,6 +42,7 @@ import numpy as np
 from gpucoll import cuda
 from gpucoll.arrays import as_ref
 from gpucoll.backends.nccl import NcclBackend
+from gpucoll.backends.nccl.driver import Driver
 from gpucoll.communicator import Communicator
 from gpucoll.ops import ReduceOp
 from gpucoll.progress import KIND
@@ -55,46 +57,43 @@ WORLD = 2  # ranks of the no-op communicator; this process is rank 0
 
 class _DoneEvent:
     ptr = 1
-
-    def done(self) -> bool:
-        return True
+    done = True
 
     def synchronize(self) -> None:
         pass
 
 
 class _NoopComm:
-    """NcclCommunicator whose calls return at once (as enqueueing on a GPU roughly does)."""
+    """nccl4py's Communicator whose calls return at once (as enqueueing on a GPU roughly
+    does) and which is never in progress."""
 
-    def __init__(self, n: int, uid: bytes, rank: int):
-        pass
+    is_valid = True
 
-    def allReduce(self, *args): pass  # noqa: E704
-    def broadcast(self, *args): pass  # noqa: E704
-    def reduce(self, *args): pass  # noqa: E704
-    def allGather(self, *args): pass  # noqa: E704
-    def reduceScatter(self, *args): pass  # noqa: E704
-    def send(self, *args): pass  # noqa: E704
-    def recv(self, *args): pass  # noqa: E704
-    def check_async_error(self): pass  # noqa: E704
+    def allreduce(self, *args, **kwargs): pass  # noqa: E704
+    def broadcast(self, *args, **kwargs): pass  # noqa: E704
+    def reduce(self, *args, **kwargs): pass  # noqa: E704
+    def allgather(self, *args, **kwargs): pass  # noqa: E704
+    def reduce_scatter(self, *args, **kwargs): pass  # noqa: E704
+    def send(self, *args, **kwargs): pass  # noqa: E704
+    def recv(self, *args, **kwargs): pass  # noqa: E704
+    def get_async_error(self): return 0  # noqa: E704
     def abort(self): pass  # noqa: E704
+    def finalize(self): pass  # noqa: E704
     def destroy(self): pass  # noqa: E704
 
 
 class _NoopNccl:
-    NcclCommunicator = _NoopComm
-    NcclError = RuntimeError
+    """nccl4py's ``nccl.core``, as far as a running communicator uses it."""
 
-    @staticmethod
-    def get_unique_id() -> bytes:
-        return os.urandom(128)
+    def group_start(self): pass  # noqa: E704
+    def group_end(self): pass  # noqa: E704
 
-    @staticmethod
-    def get_version() -> int:
-        return 23203
 
-    def groupStart(self): pass  # noqa: E704
-    def groupEnd(self): pass  # noqa: E704
+class _Here:
+    """``using_device`` of a runtime with one device: nothing to switch."""
+
+    def __enter__(self): pass  # noqa: E704
+    def __exit__(self, *exc): pass  # noqa: E704
 
 
 class _DeviceBuffer:
@@ -125,7 +124,9 @@ class NoopRuntime:
     def device_count(self): return 1  # noqa: E704
     def set_device(self, device): pass  # noqa: E704
     def current_device(self): return 0  # noqa: E704
+    def using_device(self, device): return _Here()  # noqa: E704
     def current_stream(self): return 0  # noqa: E704
+    def is_capturing(self, stream): return False  # noqa: E704
     def stream_handle(self, stream): return 0 if stream is None else cuda.stream_handle(stream, 0)  # noqa: E501,E704
     def record_event(self, stream): return self._event  # noqa: E704
     def wait_event(self, stream, event): pass  # noqa: E704
@@ -140,6 +141,9 @@ class NoopRuntime:
         return _DeviceBuffer(shape, dtype, self._arena_ptr)
 
     def nccl(self): return _NoopNccl()  # noqa: E704
+
+    def nccl_buffer(self, ptr, count, dtype, device):  # gpucoll's own cost: the CuPy view
+        return cuda.cupy_view(ptr, count, dtype, device)
 
 
 def _time(fn, calls: int, repeats: int = 5) -> dict[str, float]:
@@ -271,10 +275,12 @@ def _measure(client: TCPStore, calls: int) -> list[dict[str, Any]]:
     try:
         store = PrefixStore("call_overhead", client)
         # rank 0 of WORLD: the NCCL communicator is given, so nobody else needs to start up
-        backend = NcclBackend(store, 0, WORLD, timeout=60.0, _comm=_NoopComm(WORLD, b"", 0))
+        backend = NcclBackend(store, 0, WORLD, timeout=60.0, device=0,
+                              _driver=Driver(_NoopNccl(), _NoopComm(), 0, WORLD, None))
         comm = Communicator(backend, store, timeout=60.0)
         solo_store = PrefixStore("solo", client)
-        alone = NcclBackend(solo_store, 0, 1, timeout=60.0, _comm=_NoopComm(1, b"", 0))
+        alone = NcclBackend(solo_store, 0, 1, timeout=60.0, device=0,
+                            _driver=Driver(_NoopNccl(), _NoopComm(), 0, 1, None))
         with comm, Communicator(alone, solo_store, timeout=60.0) as solo:
             rows = [{"case": name, **_time(fn, calls)} for name, fn in recorder_cases()]
             for name, fn in cases(comm, backend, solo):

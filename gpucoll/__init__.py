@@ -24,6 +24,7 @@ _EXPORTS = {
     "TopologyParseError": "gpucoll.errors",
     "TopologyUnavailable": "gpucoll.errors",
     "BackendUnavailable": "gpucoll.errors",
+    "NcclFailure": "gpucoll.errors",
     "UsageError": "gpucoll.errors",
     "ReduceOp": "gpucoll.ops",
     "TCPStore": "gpucoll.store",

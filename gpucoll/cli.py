@@ -12,13 +12,15 @@ COMMANDS = {
     "bench": ("gpucoll.bench.cli", "measure collective bandwidth, nccl-tests style"),
     "info": ("gpucoll.info", "what this machine can do: CuPy, CUDA, NCCL, devices, backend"),
     "store": ("gpucoll.store.server", "run a standalone key-value store for multi-node jobs"),
+    "selftest": ("gpucoll.selftest", "check the GPU path on this machine's GPUs; a report to "
+                                     "paste"),
     "doctor": ("gpucoll.doctor.cli", "say which rank is stuck where, from the flight recorders"),
 }
 
 
 def usage() -> str:
     lines = ["usage: gpucoll COMMAND [ARGS...]", "", "commands:"]
-    lines += [f"  {name:<7} {help_}" for name, (_, help_) in COMMANDS.items()]
+    lines += [f"  {name:<8} {help_}" for name, (_, help_) in COMMANDS.items()]
     lines += ["", "`gpucoll COMMAND --help` describes each command."]
     return "\n".join(lines)
 

@@ -36,6 +36,7 @@ from typing import Any
 
 import numpy as np
 
+from gpucoll import cuda
 from gpucoll.arrays import (
     SUPPORTED_DTYPES,
     ArrayRef,
@@ -394,9 +395,13 @@ class Communicator(OutOfPlaceCalls, UnevenCalls, ObjectCalls, PointToPointCalls,
             members = sorted((k, r) for r, (col, k) in enumerate(entries) if col == color)
             sub_rank, sub_size = members.index((key, self.rank)), len(members)
             sub_store = _prefix(f"split/{n}/{color}", self._store)
+        # backends see a colour's index among the colours in use (any int is a colour on every
+        # backend, None is "no group"), and NCCL's 32-bit colour can never overflow
+        index = None if color is None else sorted(
+            {col for col, _ in entries if col is not None}).index(color)
         made: list[Backend | None] = []
         self._backend.run_sync(lambda: made.append(self._backend.split(
-            sub_store, sub_rank, sub_size, color, key, timeout=t)))
+            sub_store, sub_rank, sub_size, index, key, timeout=t)))
         if made[0] is None:
             return None
         sub = Communicator(made[0], sub_store, timeout=self.timeout,
@@ -620,7 +625,7 @@ class Communicator(OutOfPlaceCalls, UnevenCalls, ObjectCalls, PointToPointCalls,
         collective ``seq`` (None: a send or receive); copy a contiguous stand-in of a strided
         ``target`` back into it afterwards; run a debug ``check`` first."""
         if check is not None or (staged is not None and staged.array is not target):
-            call = _wrapped(call, check, timeout, staged, target)
+            call = _wrapped(call, check, timeout, staged, target, stream)
         rec = self._recorder
         if rec.current is NO_CALL:  # a call that kept no signature (an object's send)
             rec.current = (-1 if seq is None else seq, KIND.get(c.name, 0), -1, -1, -1, -1,
@@ -826,14 +831,23 @@ def _read_layout(data: bytes) -> tuple[np.dtype, tuple[int, ...], str] | None:
 
 
 def _wrapped(call: Callable[[], None], check: Callable[[float], None] | None, timeout: float,
-             staged: ArrayRef | None, target: Any) -> Callable[[], None]:
-    """``call`` preceded by a debug check and followed by a write-back into ``target``."""
+             staged: ArrayRef | None, target: Any, stream: Any) -> Callable[[], None]:
+    """``call`` preceded by a debug check and followed by a write-back into ``target``. A
+    device stand-in is written back on the call's stream, after the call: ``stream``, else
+    the current stream of this (the issuing) thread, resolved now since an asynchronous call
+    may run on another thread."""
+    back = staged is not None and staged.array is not target
+    if back and stream is None and staged.kind == "device":
+        rt = cuda.runtime()
+        with rt.using_device(staged.device):
+            stream = rt.current_stream()
+
     def run() -> None:
         if check is not None:
             check(timeout)
         call()
-        if staged is not None and staged.array is not target:
-            write_back(staged, target)
+        if back:
+            write_back(staged, target, stream)
 
     return run
 

@@ -1,34 +1,40 @@
 """The one seam through which gpucoll touches CUDA: devices, streams, events, memory, NCCL.
 
-Everything the NCCL backend, the staged ring and the device-array adapters need from CuPy goes
-through the small ``Runtime`` interface below, with pointers and streams as plain ints. The real
-implementation (``CupyRuntime``) calls CuPy's runtime bindings; tests install an emulation with
-``use_runtime`` so the same backend code runs on machines without a GPU. Nothing here imports
-CuPy until a method is called, so ``import gpucoll`` never loads a CUDA library.
+Everything the NCCL backend, the staged ring and the device-array adapters need from CuPy (and
+from nccl4py, NVIDIA's NCCL binding) goes through the small ``Runtime`` interface below, with
+pointers and streams as plain ints. The real implementation (``CupyRuntime``) calls CuPy; tests
+install an emulation with ``use_runtime`` so the same backend code runs without a GPU. Nothing
+here imports CuPy or nccl4py until a method is called, so ``import gpucoll`` never loads CUDA.
+
+Two CUDA rules shape the interface. The current device and the current stream belong to a
+thread, and an event belongs to the device that was current when it was made: code that records
+events or allocates for a communicator runs inside ``using_device(comm_device)``. And memory
+freed to a pool (CuPy's device pool, its pinned pool) can be handed out again at once, while
+work queued on a stream may still read or write it: ``hold(event, ...)`` keeps objects alive
+until the event recorded after their last use has completed.
 """
 
 from __future__ import annotations
 
+import collections
 import contextlib
+import functools
 import threading
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from typing import Any, Protocol
 
 import numpy as np
 
-# cudaError_t values CuPy's runtime.eventQuery returns rather than raises
-CUDA_SUCCESS = 0
-CUDA_ERROR_NOT_READY = 600
 # cudaStream_t handles of the default streams (also the CUDA array interface's stream codes)
 STREAM_LEGACY = 1
 STREAM_PER_THREAD = 2
 
 
 class Event(Protocol):
-    """A recorded CUDA event: ``done()`` queries, ``synchronize()`` blocks the host."""
+    """A recorded CUDA event (``cupy.cuda.Event``): ``done`` queries it, ``synchronize()``
+    blocks the host until it has completed."""
 
-    ptr: int
-
+    @property
     def done(self) -> bool: ...
 
     def synchronize(self) -> None: ...
@@ -47,11 +53,13 @@ class Runtime(Protocol):
 
     def current_device(self) -> int: ...
 
+    def using_device(self, device: int | None) -> contextlib.AbstractContextManager: ...
+
     def current_stream(self) -> int: ...
 
     def stream_handle(self, stream: Any) -> int: ...
 
-    def new_stream(self) -> int: ...
+    def is_capturing(self, stream: int) -> bool: ...
 
     def record_event(self, stream: int) -> Event: ...
 
@@ -70,7 +78,15 @@ class Runtime(Protocol):
 
     def empty(self, shape: tuple, dtype: np.dtype, device: int) -> Any: ...
 
+    def copy(self, dst: Any, src: Any, stream: int) -> None: ...
+
+    def device_identity(self, device: int) -> str: ...
+
     def nccl(self) -> Any: ...
+
+    def nccl_buffer(self, ptr: int, count: int, dtype: np.dtype, device: int) -> Any: ...
+
+    def stall(self, stream: int) -> Callable[[], None]: ...
 
 
 def stream_handle(stream: Any, current: int) -> int:
@@ -93,34 +109,73 @@ def stream_handle(stream: Any, current: int) -> int:
     )
 
 
-class _CupyEvent:
-    """A cudaEvent_t recorded once; destroyed with the object (timing disabled: cheaper)."""
+@functools.lru_cache(maxsize=256)
+def cupy_view(ptr: int, count: int, dtype: np.dtype, device: int) -> Any:
+    """A CuPy array of ``count`` elements at device address ``ptr``, owning nothing: how a
+    pointer is handed to nccl4py, which reads pointer, count, dtype and device off CuPy
+    arrays. Building one calls no CUDA function; the same four values give the same view (it
+    holds no memory, so reusing it is safe)."""
+    import cupy
 
-    __slots__ = ("ptr", "_rt")
+    mem = cupy.cuda.UnownedMemory(ptr, count * dtype.itemsize, None, device_id=device)
+    return cupy.ndarray((count,), dtype=dtype, memptr=cupy.cuda.MemoryPointer(mem, 0))
 
-    def __init__(self, rt: Any, stream: int):
-        self._rt = rt
-        self.ptr = rt.eventCreateWithFlags(rt.eventDisableTiming)
-        rt.eventRecord(self.ptr, stream)
 
-    def done(self) -> bool:
-        status = self._rt.eventQuery(self.ptr)
-        if status == CUDA_ERROR_NOT_READY:
-            return False
-        if status != CUDA_SUCCESS:
-            self._rt.check_status(status)
+# ---- keeping memory alive until the device is done with it ------------------------------
+
+_held: collections.deque = collections.deque()
+_held_lock = threading.Lock()
+
+
+def hold(event: Any, *objects: Any) -> None:
+    """Keep ``objects`` (arrays, pinned buffers, pool blocks) referenced until ``event`` has
+    completed, so that no pool hands their memory out while queued work still uses it."""
+    with _held_lock:
+        while _held and _done(_held[0][0]):
+            _held.popleft()
+        _held.append((event, objects))
+
+
+def _done(event: Any) -> bool:
+    try:
+        return bool(event.done)
+    except Exception:  # noqa: BLE001 - a failed device: nothing it queued will run any more
         return True
 
-    def synchronize(self) -> None:
-        self._rt.eventSynchronize(self.ptr)
 
-    def __del__(self):
-        with contextlib.suppress(Exception):
-            self._rt.eventDestroy(self.ptr)
+# ---- the real runtime --------------------------------------------------------------------
+
+class _DeviceGuard:
+    """Make ``device`` current for a block and restore the caller's device afterwards."""
+
+    __slots__ = ("_rt", "_device", "_previous")
+
+    def __init__(self, rt: Any, device: int | None):
+        self._rt, self._device, self._previous = rt, device, None
+
+    def __enter__(self) -> None:
+        if self._device is not None:
+            previous = self._rt.getDevice()
+            if previous != self._device:
+                self._rt.setDevice(self._device)
+                self._previous = previous
+
+    def __exit__(self, *exc: object) -> None:
+        if self._previous is not None:
+            self._rt.setDevice(self._previous)
+
+
+_SPIN_SOURCE = r"""
+extern "C" __global__ void gpucoll_spin(volatile int* flag, long long max_cycles) {
+    long long start = clock64();
+    while (*flag == 0 && clock64() - start < max_cycles) { }
+}
+"""
+_SPIN_MAX_CYCLES = 60 * 2_000_000_000  # about a minute: a stall nobody releases ends anyway
 
 
 class CupyRuntime:
-    """The real runtime: CuPy's CUDA runtime bindings and ``cupy.cuda.nccl``."""
+    """The real runtime: CuPy for CUDA, nccl4py (``nccl.core``) for NCCL."""
 
     name = "cupy"
 
@@ -149,12 +204,13 @@ class CupyRuntime:
         return int(_runtime().getDeviceCount())
 
     def set_device(self, device: int) -> None:
-        import cupy
-
-        cupy.cuda.Device(device).use()
+        _runtime().setDevice(device)
 
     def current_device(self) -> int:
         return int(_runtime().getDevice())
+
+    def using_device(self, device: int | None) -> _DeviceGuard:
+        return _DeviceGuard(_runtime(), device)
 
     def current_stream(self) -> int:
         import cupy
@@ -166,15 +222,18 @@ class CupyRuntime:
             return self.current_stream()
         return stream_handle(stream, 0)
 
-    def new_stream(self) -> int:
-        rt = _runtime()
-        return int(rt.streamCreateWithFlags(rt.streamNonBlocking))
+    def is_capturing(self, stream: int) -> bool:
+        return bool(_runtime().streamIsCapturing(stream))
 
     def record_event(self, stream: int) -> Event:
-        return _CupyEvent(_runtime(), stream)
+        import cupy
+
+        event = cupy.cuda.Event(disable_timing=True)
+        event.record(_cupy_stream(stream))
+        return event
 
     def wait_event(self, stream: int, event: Event) -> None:
-        _runtime().streamWaitEvent(stream, event.ptr, 0)
+        _cupy_stream(stream).wait_event(event)
 
     def memcpy_async(self, dst: int, src: int, nbytes: int, stream: int) -> None:
         rt = _runtime()
@@ -185,7 +244,7 @@ class CupyRuntime:
         ordered after the work queued on that stream."""
         import cupy
 
-        with _as_cupy_stream(stream):
+        with _cupy_stream(stream):
             return cupy.cuda.alloc(max(nbytes, 1))
 
     def alloc_pinned(self, nbytes: int) -> np.ndarray:
@@ -207,10 +266,13 @@ class CupyRuntime:
         """dst[:count] = reduce(op) over src viewed as (slots, count), on ``stream``."""
         import cupy
 
+        if count == 0:  # a zero-size array's pointer is NULL: there is nothing to wrap
+            return
         dtype = np.dtype(dtype)
-        with _as_cupy_stream(stream):
-            a = _wrap(cupy, src, (slots, count), dtype)
-            out = _wrap(cupy, dst, (count,), dtype)
+        device = self.current_device()
+        with _cupy_stream(stream):
+            a = cupy_view(src, slots * count, dtype, device).reshape(slots, count)
+            out = cupy_view(dst, count, dtype, device)
             _CUPY_UFUNCS[op](cupy).reduce(a, axis=0, out=out)
 
     def empty(self, shape: tuple, dtype: np.dtype, device: int) -> Any:
@@ -219,10 +281,42 @@ class CupyRuntime:
         with cupy.cuda.Device(device):
             return cupy.empty(shape, dtype=dtype)
 
-    def nccl(self) -> Any:
-        from cupy.cuda import nccl
+    def copy(self, dst: Any, src: Any, stream: int) -> None:
+        """Copy device array ``src`` into device array ``dst`` (any strides) on ``stream``."""
+        import cupy
 
-        return nccl
+        with _cupy_stream(stream):
+            target = cupy.asarray(dst)
+            target[...] = cupy.asarray(src).reshape(target.shape)
+
+    def device_identity(self, device: int) -> str:
+        return str(_runtime().deviceGetPCIBusId(device))
+
+    def nccl(self) -> Any:
+        import nccl.core
+
+        return nccl.core
+
+    def nccl_buffer(self, ptr: int, count: int, dtype: np.dtype, device: int) -> Any:
+        return cupy_view(ptr, count, dtype, device)
+
+    def stall(self, stream: int) -> Callable[[], None]:
+        """Occupy ``stream`` with a kernel that spins until the returned function is called
+        (at most about a minute): work queued after it on the stream waits."""
+        import cupy
+
+        kernel = cupy.RawKernel(_SPIN_SOURCE, "gpucoll_spin")
+        with _cupy_stream(stream):  # the flag is zeroed before the kernel reads it
+            flag = cupy.zeros(1, cupy.int32)
+            kernel((1,), (1,), (flag, np.int64(_SPIN_MAX_CYCLES)))
+        side = cupy.cuda.Stream(non_blocking=True)
+
+        def release() -> None:
+            with side:
+                flag.fill(1)
+            side.synchronize()
+
+        return release
 
 
 _CUPY_UFUNCS = {
@@ -243,26 +337,26 @@ def _runtime() -> Any:
     return runtime
 
 
-def _wrap(cupy: Any, ptr: int, shape: tuple, dtype: np.dtype) -> Any:
-    nbytes = int(np.prod(shape)) * dtype.itemsize
-    mem = cupy.cuda.UnownedMemory(ptr, nbytes, None)
-    return cupy.ndarray(shape, dtype=dtype, memptr=cupy.cuda.MemoryPointer(mem, 0))
+_streams: dict[tuple[int, int], Any] = {}
 
 
-class _StreamHandle:
-    """A borrowed stream for CuPy's ``Stream.from_external`` (the CUDA stream protocol)."""
+def _cupy_stream(ptr: int) -> Any:
+    """CuPy's ``ExternalStream`` for handle ``ptr`` on the current device, made once per pair
+    (CuPy 14 deprecates the class, with a warning per object, for ``Stream.from_external``)."""
+    device = _runtime().getDevice()
+    stream = _streams.get((ptr, device))
+    if stream is None:
+        import warnings
 
-    def __init__(self, ptr: int):
-        self.ptr = ptr
+        import cupy
 
-    def __cuda_stream__(self) -> tuple[int, int]:
-        return (0, self.ptr)
-
-
-def _as_cupy_stream(ptr: int) -> Any:
-    import cupy
-
-    return cupy.cuda.Stream.from_external(_StreamHandle(ptr))
+        with warnings.catch_warnings():
+            warnings.simplefilter("ignore", DeprecationWarning)
+            stream = cupy.cuda.ExternalStream(ptr, device)
+        if len(_streams) >= 256:
+            _streams.clear()
+        _streams[(ptr, device)] = stream
+    return stream
 
 
 _lock = threading.Lock()

@@ -98,6 +98,19 @@ def _topology_parse_error(message: str, source: str, line: int | None) -> Topolo
     return TopologyParseError(message, source=source, line=line)
 
 
+class NcclFailure(GpucollError):
+    """NCCL reported an error for an op on a rank; ``status`` is its ``ncclResult_t`` (None
+    when nccl4py refused the call before NCCL saw it). ``ncclRemoteError`` is a
+    ``PeerFailure`` and ``ncclTimeout`` a ``CollectiveTimeout`` instead."""
+
+    def __init__(self, message: str, status: int | None = None):
+        super().__init__(message)
+        self.status = status
+
+    def __reduce__(self):
+        return (type(self), (str(self), self.status))
+
+
 __all__ = [
     "BackendUnavailable",
     "CollectiveMismatch",
@@ -105,6 +118,7 @@ __all__ = [
     "FrameError",
     "GpucollError",
     "LaunchError",
+    "NcclFailure",
     "PeerFailure",
     "RendezvousError",
     "StoreError",

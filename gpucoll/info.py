@@ -1,5 +1,5 @@
-"""``gpucoll info``: what this machine can do - CuPy, CUDA, NCCL, devices, the backend ``auto``
-would pick and why.
+"""``gpucoll info``: what this machine can do - CuPy, CUDA, NCCL (through nccl4py), devices, the
+backend ``auto`` would pick and why.
 
 Every probe catches its own failure and reports it as text, so the command prints a full report
 (and exits 0) on a machine without a GPU, without CuPy or without NCCL.
@@ -13,7 +13,7 @@ import sys
 from collections.abc import Callable
 from typing import Any
 
-from gpucoll.backends.nccl_auto import local_verdict, nccl_version
+from gpucoll.backends.nccl.auto import library_version, local_verdict
 
 
 def _cuda_version(code: int) -> str:
@@ -58,19 +58,17 @@ def devices() -> list[dict[str, Any]]:
 
 
 def _nccl() -> dict[str, str]:
-    from cupy.cuda import nccl
+    import nccl.core as nc
 
-    if not nccl.available:
-        return {"library": "unavailable (CuPy built without NCCL)", "build": "unknown"}
-    return {"library": nccl_version(nccl.get_version()),
-            "build": nccl_version(nccl.get_build_version())}
+    return {"library": library_version(nc), "nccl4py": str(nc.get_version().nccl4py)}
 
 
 def collect() -> dict[str, Any]:
     """Everything ``gpucoll info`` reports, as a JSON-able dict (never raises)."""
     from gpucoll import __version__
 
-    usable, why = local_verdict()
+    verdict = local_verdict()
+    usable, why = verdict["ok"], verdict["why"]
     return {
         "gpucoll": __version__,
         "python": sys.version.split()[0],
@@ -88,7 +86,7 @@ def collect() -> dict[str, Any]:
 def render(info: dict[str, Any]) -> str:
     nccl = info["nccl"]
     if isinstance(nccl, dict):
-        nccl = f"library {nccl['library']}, built against {nccl['build']}"
+        nccl = f"library {nccl['library']} (nccl4py {nccl['nccl4py']})"
     devices = info["devices"]
     lines = [
         f"gpucoll       {info['gpucoll']} (Python {info['python']})",

@@ -195,24 +195,25 @@ class DeviceWire(Wire):
 
     def _staged(self, down: list[np.ndarray], up: list[np.ndarray], call: Any) -> None:
         rt = cuda.runtime()
-        s, device = rt.current_stream(), rt.current_device()
-        staged = {}
-        for a in (*down, *up):
-            if id(a) not in staged:
-                buf = rt.empty((a.nbytes,), np.dtype(np.uint8), device)
-                staged[id(a)] = (as_ref(buf, "object"), rt.alloc_pinned(a.nbytes), a)
-        for a in down:
-            ref, pin, _ = staged[id(a)]
-            if a.nbytes:
-                pin[:] = a.view(np.uint8).reshape(-1)
-                rt.memcpy_async(ref.ptr, pin.__array_interface__["data"][0], a.nbytes, s)
-        call([staged[id(a)][0] for a in down], [staged[id(a)][0] for a in up], s)
-        for a in up:
-            ref, pin, _ = staged[id(a)]
-            if a.nbytes:
-                rt.memcpy_async(pin.__array_interface__["data"][0], ref.ptr, a.nbytes, s)
-        event = rt.record_event(s)
-        while not event.done():
+        with rt.using_device(getattr(self.b, "device", None)):  # the communicator's device
+            s, device = rt.current_stream(), rt.current_device()
+            staged = {}
+            for a in (*down, *up):
+                if id(a) not in staged:
+                    buf = rt.empty((a.nbytes,), np.dtype(np.uint8), device)
+                    staged[id(a)] = (as_ref(buf, "object"), rt.alloc_pinned(a.nbytes), a)
+            for a in down:
+                ref, pin, _ = staged[id(a)]
+                if a.nbytes:
+                    pin[:] = a.view(np.uint8).reshape(-1)
+                    rt.memcpy_async(ref.ptr, pin.__array_interface__["data"][0], a.nbytes, s)
+            call([staged[id(a)][0] for a in down], [staged[id(a)][0] for a in up], s)
+            for a in up:
+                ref, pin, _ = staged[id(a)]
+                if a.nbytes:
+                    rt.memcpy_async(pin.__array_interface__["data"][0], ref.ptr, a.nbytes, s)
+            event = rt.record_event(s)
+        while not event.done:  # the pinned and device buffers live until then
             self.left()
             time.sleep(0.0002)
         for a in up:

@@ -100,6 +100,23 @@ def from_env(environ: Mapping[str, str] | None = None) -> Rendezvous:
         "GPUCOLL_MASTER_ADDR/GPUCOLL_MASTER_PORT for several hosts).")
 
 
+def local_rank(rank: int, environ: Mapping[str, str] | None = None) -> int:
+    """This process's rank on its host, as ``from_env()`` reports it; where the environment
+    names no launcher, the first local-rank variable of any launcher that is set, else
+    ``rank`` (one host)."""
+    env = os.environ if environ is None else environ
+    try:
+        return from_env(env).local_rank
+    except RendezvousError:
+        pass
+    for src in _SOURCES:
+        for var in src.local_rank:
+            value = env.get(var, "").strip()
+            if value.isdigit():
+                return int(value)
+    return rank
+
+
 def _read(env: Mapping[str, str], src: _Source) -> Rendezvous:
     size_var = src.size if src.size in env or src.name != "slurm" else "SLURM_NPROCS"
     rank = _int(env, src.rank, src.name)
@@ -425,4 +442,4 @@ def _identity(store: Any) -> tuple:
 
 
 __all__ = ["DEFAULT_PORT", "Rendezvous", "RendezvousError", "connect_store", "expand_hostlist",
-           "from_env", "job_id", "join_group", "store_url"]
+           "from_env", "job_id", "join_group", "local_rank", "store_url"]

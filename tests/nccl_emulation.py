@@ -1,39 +1,51 @@
-"""An emulated CUDA runtime and NCCL, so the NCCL backend runs in tests without a GPU.
+"""An emulated nccl4py, so that the NCCL backend runs in tests without a GPU.
 
-``EmulatedRuntime`` stands in for ``gpucoll.cuda.CupyRuntime``: "device memory" is host memory
-registered here, streams are worker threads that run queued work in order, events are markers
-in those queues. Its ``nccl()`` is a stand-in for ``cupy.cuda.nccl`` whose
-``NcclCommunicator`` has CuPy's method signatures, reads and writes memory at the integer
-pointers it is given, and exchanges data between processes through a TCPStore. Unique ids,
-``NcclError`` and the version queries are the real library's.
+``EmulatedRuntime`` is the CUDA emulation (``cuda_emulation``) plus a stand-in for nccl4py's
+``nccl.core`` module. Its ``Communicator`` has the methods of nccl4py's as the backend calls
+them; it resolves buffers with nccl4py's own ``NcclBuffer`` (so it sees what nccl4py would),
+reads and writes memory at those pointers from the stream a call names, and carries data
+between processes through a TCPStore. Unique ids, ``NCCLConfig``, ``NCCLError`` and the
+version are the real library's. It is written from nccl.h and NCCL-NOTES.md, independently of
+the backend, and behaves as they say NCCL does:
 
-It is written from nccl.h, independently of gpucoll's backend: it checks datatype and op codes,
-roots, peers, counts against the allocations the pointers fall in, the device of every buffer
-and stream, the in-place rules, that all ranks call the same collective with the same
-arguments, and that every send meets a recv of the same count and datatype. Argument errors
-raise ``NcclError`` at the call, as NCCL does; what would hang or corrupt memory on a GPU is
-recorded in ``runtime.misuse`` and reported through ``check_async_error``.
+- A blocking communicator (the default) blocks the host in init, split, finalize and the first
+  call that needs a connection (the first collective; the first send/recv between two ranks)
+  until every rank it needs has entered the same call. A non-blocking one
+  (``NCCLConfig(blocking=False)``) returns at once; ``get_async_error()`` says in progress until
+  the work is done (forever, if a peer never comes), and any other call meanwhile is misuse.
+- Collectives run on their stream, later; each waits for its peers' data as a kernel would,
+  until ``abort`` ends it. ``avg`` on floating types is a premultiply by ``fl(1/n)``, then a sum.
+- ``abort`` frees the communicator: later calls raise ``NcclInvalid``; an abort while another
+  thread is inside a call on it is a use after free.
+- Arguments NCCL rejects raise ``NCCLError`` at the call. What would hang or corrupt memory on a
+  GPU (ranks that disagree, unmatched sends, a split with work outstanding, a blocking call whose
+  peers never come) is recorded in ``misuse``, which tests expect to stay empty.
 """
 
 from __future__ import annotations
 
 import collections
 import contextlib
-import ctypes
 import hashlib
+import os
 import pickle
 import threading
 import time
 from typing import Any
 
 import ml_dtypes
+import nccl.core as _nc
 import numpy as np
-from cupy.cuda import nccl as _real_nccl
+from cuda_emulation import CudaEmulation, FakeDeviceArray, Misuse, host_view
+from nccl.bindings.nccl import NCCLError
+from nccl.core.buffer import NcclBuffer
 
 from gpucoll.errors import StoreTimeout
 from gpucoll.store import TCPStore, parse_address
 
-# nccl.h: ncclDataType_t and ncclRedOp_t, written out again here on purpose
+__all__ = ["EmulatedRuntime", "FakeDeviceArray", "Misuse", "NCCLError"]
+
+# nccl.h: ncclDataType_t, ncclRedOp_t and ncclResult_t, written out again here on purpose
 NCCL_TYPES = {
     0: np.dtype(np.int8), 1: np.dtype(np.uint8), 2: np.dtype(np.int32), 3: np.dtype(np.uint32),
     4: np.dtype(np.int64), 5: np.dtype(np.uint64), 6: np.dtype(np.float16),
@@ -41,393 +53,74 @@ NCCL_TYPES = {
     10: np.dtype(ml_dtypes.float8_e4m3fn), 11: np.dtype(ml_dtypes.float8_e5m2),
 }
 NCCL_OPS = {0: np.add, 1: np.multiply, 2: np.maximum, 3: np.minimum, 4: np.add}
-NCCL_AVG = 4
-UNHANDLED_CUDA_ERROR, INVALID_ARGUMENT, INVALID_USAGE = 1, 4, 5
-DEFAULT_STREAMS = (0, 1, 2)  # null stream, cudaStreamLegacy, cudaStreamPerThread
-NcclError = _real_nccl.NcclError
+AVG = 4
+SUCCESS, UNHANDLED_CUDA_ERROR, INVALID_ARGUMENT, INVALID_USAGE, IN_PROGRESS = 0, 1, 4, 5, 7
+COLLECTIVES = ("allreduce", "reduce", "broadcast", "allgather", "reduce_scatter")
 
 
-class Misuse(AssertionError):
-    """Something a real GPU would hang on or silently corrupt."""
+class EmulatedRuntime(CudaEmulation):
+    """The CUDA emulation with an emulated nccl4py; ``store_addr`` carries NCCL's traffic."""
 
-
-def host_view(ptr: int, nbytes: int, dtype: Any = np.uint8) -> np.ndarray:
-    """A writable NumPy view of ``nbytes`` at address ``ptr``."""
-    if nbytes == 0:
-        return np.empty(0, dtype)
-    return np.frombuffer((ctypes.c_char * nbytes).from_address(ptr), dtype=dtype)
-
-
-# ---- memory --------------------------------------------------------------------------------
-
-class Alloc:
-    __slots__ = ("base", "nbytes", "device", "kind", "owner")
-
-    def __init__(self, owner: np.ndarray, device: int | None, kind: str):
-        self.owner = owner
-        self.base = owner.__array_interface__["data"][0]
-        self.nbytes, self.device, self.kind = owner.nbytes, device, kind
-
-
-class DeviceBuffer:
-    """Emulated device memory from ``alloc_device`` (``.ptr``; freed with the object)."""
-
-    def __init__(self, rt: EmulatedRuntime, nbytes: int, device: int):
-        self._mem = np.zeros(max(nbytes, 1), np.uint8)
-        self.ptr = rt.register(self._mem, device, "device")
-        self._rt = rt
-
-    def __del__(self):
-        self._rt.release(self._mem)
-
-
-class FakeDeviceArray:
-    """Host memory posing as a device array: ``__cuda_array_interface__`` v3 with a stream."""
-
-    def __init__(self, data: Any, rt: EmulatedRuntime, device: int | None = None,
-                 stream: int | None = None, dtype: Any = None):
-        self._host = np.array(data, dtype=dtype, copy=True, order="C")
-        self._rt = rt
-        self.device = rt.current_device() if device is None else device
-        self.stream = stream
-        self.ptr = rt.register(self._host, self.device, "device")
-
-    shape = property(lambda self: self._host.shape)
-    dtype = property(lambda self: self._host.dtype)
-    size = property(lambda self: self._host.size)
-
-    @property
-    def __cuda_array_interface__(self) -> dict:
-        return {"shape": self._host.shape, "typestr": self._host.dtype.str,
-                "data": (self.ptr, False), "version": 3, "strides": None, "stream": self.stream}
-
-    def get(self) -> np.ndarray:
-        """A host copy, after all queued work (like ``cupy.ndarray.get``)."""
-        self._rt.synchronize()
-        return self._host.copy()
-
-    def __getitem__(self, key: Any) -> FakeDeviceView:
-        """A view sharing this memory (CuPy's basic slicing), e.g. rows of a result."""
-        return FakeDeviceView(self, self._host[key])
-
-    def reshape(self, *shape: Any) -> FakeDeviceView:
-        return FakeDeviceView(self, self._host.reshape(*shape))
-
-    def __setitem__(self, key: Any, value: Any) -> None:
-        """Write from the host, after all queued work (a kernel on the current stream in
-        CuPy; here the streams are drained first)."""
-        self._rt.synchronize()
-        self._host[key] = value
-
-    def __del__(self):
-        self._rt.release(self._host)
-
-
-class FakeDeviceView:
-    """Part of a ``FakeDeviceArray`` (C-contiguous), with the same interface."""
-
-    def __init__(self, owner: FakeDeviceArray, host: np.ndarray):
-        if not host.flags.c_contiguous:
-            raise ValueError("FakeDeviceView: only C-contiguous views are emulated")
-        self._owner, self._host = owner, host
-        self._rt, self.device, self.stream = owner._rt, owner.device, owner.stream
-
-    shape = property(lambda self: self._host.shape)
-    dtype = property(lambda self: self._host.dtype)
-    size = property(lambda self: self._host.size)
-
-    @property
-    def __cuda_array_interface__(self) -> dict:
-        return {"shape": self._host.shape, "typestr": self._host.dtype.str,
-                "data": (self._host.__array_interface__["data"][0], False), "version": 3,
-                "strides": None, "stream": self.stream}
-
-    def get(self) -> np.ndarray:
-        self._rt.synchronize()
-        return self._host.copy()
-
-    def __getitem__(self, key: Any) -> FakeDeviceView:
-        return FakeDeviceView(self._owner, self._host[key])
-
-    def reshape(self, *shape: Any) -> FakeDeviceView:
-        return FakeDeviceView(self._owner, self._host.reshape(*shape))
-
-    def __setitem__(self, key: Any, value: Any) -> None:
-        self._rt.synchronize()
-        self._host[key] = value
-
-
-# ---- streams and events --------------------------------------------------------------------
-
-class EmuEvent:
-    def __init__(self):
-        self._flag = threading.Event()
-        self.ptr = id(self)
-
-    def done(self) -> bool:
-        return self._flag.is_set()
-
-    def synchronize(self) -> None:
-        if not self._flag.wait(60):
-            raise Misuse("event never completed (a GPU would block here forever)")
-
-
-class EmuStream:
-    """A CUDA stream: a worker thread running queued callables in order."""
-
-    def __init__(self, rt: EmulatedRuntime, handle: int, device: int | None):
-        self.rt, self.handle, self.device = rt, handle, device
-        self._queue: collections.deque = collections.deque()
-        self._cond = threading.Condition()
-        self._busy = False
-        self._thread = threading.Thread(target=self._run, daemon=True, name=f"emu-stream-{handle}")
-        self._thread.start()
-
-    def submit(self, fn) -> None:
-        with self._cond:
-            self._queue.append(fn)
-            self._cond.notify_all()
-
-    def idle(self) -> bool:
-        with self._cond:
-            return not self._queue and not self._busy
-
-    def _run(self) -> None:
-        while True:
-            with self._cond:
-                while not self._queue:
-                    self._cond.wait()
-                fn = self._queue.popleft()
-                self._busy = True
-            try:
-                if fn is None:
-                    return
-                fn()
-            except Exception as exc:  # noqa: BLE001 - reported to the test via misuse
-                self.rt.report(f"stream {self.handle}: {type(exc).__name__}: {exc}")
-            finally:
-                with self._cond:
-                    self._busy = False
-                    self._cond.notify_all()
-
-
-# ---- the runtime ---------------------------------------------------------------------------
-
-class EmulatedRuntime:
-    """``gpucoll.cuda.Runtime`` on host memory; ``store_addr`` carries NCCL's traffic."""
-
-    name = "emulated"
-
-    def __init__(self, store_addr: str, devices: int = 8, hang_timeout: float = 30.0,
-                 comm_split: bool = True):
-        host, port = parse_address(store_addr)
-        self.store = TCPStore(host, port, timeout=60.0)
-        self.devices, self.hang_timeout = devices, hang_timeout
-        self.misuse: list[str] = []
-        self._allocs: dict[int, Alloc] = {}
-        self._graveyard: list[np.ndarray] = []
-        self._streams: dict[int, EmuStream] = {}
-        self._next_stream = 0x1000
-        self._lock = threading.RLock()
-        self._local = threading.local()
-        self.held = threading.Event()  # set: NCCL work waits (a peer "never arrives")
-        self.module = EmulatedNccl(self, comm_split)
-
-    # memory
-    def register(self, arr: np.ndarray, device: int | None, kind: str) -> int:
-        a = Alloc(arr, device, kind)
-        with self._lock:
-            self._allocs[a.base] = a
-        return a.base
-
-    def unregister(self, ptr: int) -> None:
-        with self._lock:
-            self._allocs.pop(ptr, None)
-
-    def find(self, ptr: int, nbytes: int) -> Alloc | None:
-        with self._lock:
-            for a in self._allocs.values():
-                if a.base <= ptr and ptr + nbytes <= a.base + a.nbytes:
-                    return a
-        return None
-
-    def release(self, mem: np.ndarray) -> None:
-        """Free emulated device memory the way CUDA's stream-ordered allocators do: not
-        before the work already queued has run (here: at the next ``synchronize``)."""
-        self._graveyard.append(mem)
-
-    def report(self, message: str) -> None:
-        self.misuse.append(message)
-
-    # the Runtime interface
-    def available(self) -> tuple[bool, str]:
-        return True, f"emulated CUDA runtime with {self.devices} device(s)"
-
-    def device_count(self) -> int:
-        return self.devices
-
-    def set_device(self, device: int) -> None:
-        if not 0 <= device < self.devices:
-            raise RuntimeError(f"cudaErrorInvalidDevice: device {device} of {self.devices}")
-        self._local.device = device
-
-    def current_device(self) -> int:
-        return getattr(self._local, "device", 0)
-
-    def current_stream(self) -> int:
-        return getattr(self._local, "stream", 0)
-
-    @contextlib.contextmanager
-    def use_stream(self, handle: int):
-        """Make ``handle`` this thread's current stream inside the block (like ``with s:``)."""
-        previous = self.current_stream()
-        self._local.stream = handle
-        try:
-            yield handle
-        finally:
-            self._local.stream = previous
-
-    def stream_handle(self, stream: Any) -> int:
-        from gpucoll.cuda import stream_handle
-
-        return stream_handle(stream, self.current_stream())
-
-    def new_stream(self) -> int:
-        with self._lock:
-            handle = self._next_stream
-            self._next_stream += 0x10
-            self._streams[handle] = EmuStream(self, handle, self.current_device())
-        return handle
-
-    def stream(self, handle: int) -> EmuStream:
-        """The stream behind ``handle``; an unknown handle is a CUDA error."""
-        with self._lock:
-            s = self._streams.get(handle)
-            if s is None and handle in DEFAULT_STREAMS:
-                s = self._streams[handle] = EmuStream(self, handle, None)
-        if s is None:
-            raise RuntimeError(f"cudaErrorInvalidResourceHandle: unknown stream {handle:#x}")
-        return s
-
-    def record_event(self, stream: int) -> EmuEvent:
-        ev = EmuEvent()
-        self.stream(stream).submit(ev._flag.set)
-        return ev
-
-    def wait_event(self, stream: int, event: EmuEvent) -> None:
-        self.stream(stream).submit(lambda: self._await(event._flag, "a stream waits for an event"))
-
-    def memcpy_async(self, dst: int, src: int, nbytes: int, stream: int) -> None:
-        for ptr, what in ((dst, "destination"), (src, "source")):
-            if self.find(ptr, nbytes) is None:
-                raise RuntimeError(f"cudaErrorInvalidValue: memcpy {what} {ptr:#x}+{nbytes} "
-                                   "is not inside any allocation")
-        self.stream(stream).submit(lambda: ctypes.memmove(dst, src, nbytes))
-
-    def alloc_device(self, nbytes: int, stream: int) -> DeviceBuffer:
-        return DeviceBuffer(self, nbytes, self.current_device())
-
-    def alloc_pinned(self, nbytes: int) -> np.ndarray:
-        mem = np.zeros(max(nbytes, 1), np.uint8)
-        self.register(mem, None, "pinned")
-        return mem[:nbytes]
-
-    def pointer_device(self, ptr: int) -> int | None:
-        a = self.find(ptr, 1)
-        return a.device if a is not None and a.kind == "device" else None
-
-    def reduce_slots(self, op: str, src: int, dst: int, slots: int, count: int,
-                     dtype: np.dtype, stream: int) -> None:
-        dtype = np.dtype(dtype)
-        for ptr, n in ((src, slots * count), (dst, count)):
-            a = self.find(ptr, n * dtype.itemsize)
-            if a is None or a.kind != "device":
-                raise RuntimeError(f"reduce_slots: {ptr:#x}+{n} elements is not device memory")
-        ufunc = {"sum": np.add, "prod": np.multiply, "min": np.minimum, "max": np.maximum,
-                 "band": np.bitwise_and, "bor": np.bitwise_or, "bxor": np.bitwise_xor}[op]
-
-        def run():
-            a = host_view(src, slots * count * dtype.itemsize, dtype).reshape(slots, count)
-            out = host_view(dst, count * dtype.itemsize, dtype)
-            out[...] = ufunc.reduce(a, axis=0)
-
-        self.stream(stream).submit(run)
-
-    def empty(self, shape: tuple, dtype: np.dtype, device: int) -> FakeDeviceArray:
-        return FakeDeviceArray(np.zeros(shape, dtype), self, device)
+    def __init__(self, store_addr: str, devices: int = 8, hang_timeout: float = 30.0):
+        super().__init__(devices, hang_timeout)
+        self.store = TCPStore(*parse_address(store_addr), timeout=60.0)
+        self.module = EmulatedNccl(self)
 
     def nccl(self) -> EmulatedNccl:
         return self.module
 
-    # helpers for tests
-    def synchronize(self, timeout: float = 60.0) -> None:
-        """Block until every stream ran everything queued so far."""
-        deadline = time.monotonic() + timeout
-        with self._lock:
-            streams = list(self._streams.values())
-        for s in streams:
-            ev = threading.Event()
-            s.submit(ev.set)
-            if not ev.wait(max(0.0, deadline - time.monotonic())):
-                raise Misuse(f"stream {s.handle:#x} did not drain within {timeout} s")
-        with self._lock:
-            dead, self._graveyard = self._graveyard, []
-            for mem in dead:
-                self._allocs.pop(mem.__array_interface__["data"][0], None)
-
     def close(self) -> None:
-        with self._lock:
-            streams, self._streams = list(self._streams.values()), {}
-        for s in streams:
-            s.submit(None)
+        super().close()
         self.store.close()
 
-    def _await(self, flag: threading.Event, what: str) -> None:
-        if not flag.wait(self.hang_timeout):
-            raise Misuse(f"{what} that never completes (a GPU would hang)")
-
-
-# ---- NCCL ----------------------------------------------------------------------------------
 
 class EmulatedNccl:
-    """Stands in for the module ``cupy.cuda.nccl``."""
+    """Stands in for nccl4py's ``nccl.core``."""
 
-    NcclError = NcclError
-    get_unique_id = staticmethod(_real_nccl.get_unique_id)
-    get_version = staticmethod(_real_nccl.get_version)
-    get_build_version = staticmethod(_real_nccl.get_build_version)
+    NCCLConfig = _nc.NCCLConfig
+    UniqueId = _nc.UniqueId
+    NcclInvalid = _nc.NcclInvalid
+    get_unique_id = staticmethod(_nc.get_unique_id)
+    get_version = staticmethod(_nc.get_version)
 
-    def __init__(self, rt: EmulatedRuntime, comm_split: bool = True):
+    def __init__(self, rt: EmulatedRuntime):
         self.rt = rt
         self._local = threading.local()
-        bases = (EmulatedComm, SplitMixin) if comm_split else (EmulatedComm,)
-        self.NcclCommunicator = type("NcclCommunicator", bases, {"_rt": rt})
+        self.Communicator = type("Communicator", (Communicator,), {"_rt": rt, "_module": self})
 
-    def _group(self) -> list | None:
+    def group(self) -> list | None:
+        """The calls of the group this thread is inside, if any."""
         return getattr(self._local, "ops", None)
 
-    def groupStart(self) -> None:
+    def group_start(self) -> None:
         self._local.depth = getattr(self._local, "depth", 0) + 1
         if self._local.depth == 1:
             self._local.ops = []
 
-    def groupEnd(self) -> None:
+    def group_end(self) -> None:
         depth = getattr(self._local, "depth", 0)
         if depth == 0:
-            raise NcclError(INVALID_USAGE)  # groupEnd without groupStart
+            raise NCCLError(INVALID_USAGE)  # group_end without group_start
         self._local.depth = depth - 1
         if depth == 1:
             ops, self._local.ops = self._local.ops, None
-            if ops:
-                ops[0].comm._submit(ops)
+            by_comm: dict[int, list[Op]] = collections.defaultdict(list)
+            for op in ops:
+                by_comm[id(op.comm)].append(op)
+            for group in by_comm.values():
+                comm = group[0].comm
+                with comm._inside_call("group_end"):
+                    comm._launch(group)
 
 
 class Op:
+    """One NCCL call: what it reads and writes, on which stream."""
+
     __slots__ = ("comm", "name", "send", "recv", "count", "dtype", "op", "root", "peer",
                  "stream", "seq")
 
     def __init__(self, comm, name, send=0, recv=0, count=0, dtype=0, op=-1, root=-1, peer=-1,
-                 stream=0):
+                 stream=None):
         self.comm, self.name, self.send, self.recv, self.count = comm, name, send, recv, count
         self.dtype, self.op, self.root, self.peer, self.stream = dtype, op, root, peer, stream
         self.seq = -1
@@ -436,139 +129,336 @@ class Op:
         return (self.name, self.count, self.dtype, self.op, self.root)
 
 
-class EmulatedComm:
-    """``cupy.cuda.nccl.NcclCommunicator`` with the same methods, over host memory."""
+class _Aborted(Exception):
+    """The communicator was aborted while something waited for its peers."""
+
+
+class _Refused(Exception):
+    """NCCL refuses what the peers agreed on (e.g. two ranks on one GPU): ``code``."""
+
+    def __init__(self, code: int, message: str):
+        super().__init__(message)
+        self.code = code
+
+
+def _c_int(value: int, what: str) -> int:
+    """What nccl4py's ``int(value)`` into a C int does."""
+    value = int(value)
+    if not -2**31 <= value < 2**31:
+        raise OverflowError(f"value too large to convert to int ({what}={value})")
+    return value
+
+
+class Communicator:
+    """nccl4py's ``Communicator`` (the methods the backend calls), over emulated memory."""
 
     _rt: EmulatedRuntime
+    _module: EmulatedNccl
 
-    def __init__(self, ndev: int, commId: bytes, rank: int, config: Any = None):
-        if not isinstance(commId, bytes):  # CuPy 14 declares `bytes commId`
-            raise TypeError(f"Argument 'commId' has incorrect type (expected bytes, got "
-                            f"{type(commId).__name__})")
-        if len(commId) != 128 or not 0 <= rank < ndev:
-            raise NcclError(INVALID_ARGUMENT)
-        self._size, self._rank = ndev, rank
-        self._device = self._rt.current_device()
-        self._uid = commId
-        self._prefix = "emu/" + hashlib.sha1(commId).hexdigest()[:20]
-        self._alive = True
+    def __init__(self) -> None:
+        self._valid = False  # a null communicator, as nccl4py's Communicator()
+        self._inside: dict[int, str] = {}
+        self.abort_calls = 0
+
+    @classmethod
+    def init(cls, nranks: int, rank: int, unique_id: Any, config: Any = None) -> Communicator:
+        raw = bytes(unique_id)
+        if len(raw) != 128 or not 0 <= rank < nranks:
+            raise NCCLError(INVALID_ARGUMENT)
+        comm = cls()
+        blocking = config is None or config.blocking is not False
+        comm._setup(nranks, rank, raw, blocking, cls._rt.current_device())
+        comm._meanwhile("init", comm._join)
+        return comm
+
+    def _setup(self, nranks: int, rank: int, uid: bytes, blocking: bool, device: int) -> None:
+        self._size, self._rank, self._uid, self._device = nranks, rank, uid, device
+        self._blocking = blocking
+        self._prefix = "emu/" + hashlib.sha1(uid).hexdigest()[:20]
+        self._valid = True
+        self._state = SUCCESS
         self._aborted = threading.Event()
-        self.async_error = 0
-        self.calls: list[tuple[str, dict]] = []
-        self._coll_seq = 0
-        self._split_seq = 0
+        self._connected: set = set()
+        self._coll_seq = self._split_seq = 0
         self._p2p: dict[tuple[str, int], int] = collections.defaultdict(int)
-        self._join()
+        self._outstanding = 0
+        self._count_lock = threading.Lock()
+        self.calls: list[tuple[str, dict]] = []
 
     def _join(self) -> None:
-        store = self._rt.store
-        store.set(f"{self._prefix}/dev/{self._rank}", str(self._device))
-        keys = [f"{self._prefix}/dev/{r}" for r in range(self._size)]
+        """Init: every rank enters; NCCL refuses two ranks on one GPU unless allowed."""
+        gpus = self._meet("init", range(self._size), self._rt.device_identity(self._device))
+        if len(set(gpus)) != len(gpus) and os.environ.get("NCCL_MULTI_RANK_GPU_ENABLE") != "1":
+            raise _Refused(INVALID_USAGE, "Multiple Ranks are using the same GPU/Partition. Set "
+                                          "NCCL_MULTI_RANK_GPU_ENABLE=1 to enable this")
+
+    # -- meeting the peers: on the host (blocking) or in the background (non-blocking)
+    def _meet(self, name: str, members: Any, value: Any = b"1") -> list[bytes]:
+        """Enter rendezvous ``name`` with ``members`` and return their values once all have
+        (a blocking NCCL call would wait forever: after the hang timeout this is misuse)."""
+        store, members = self._rt.store, list(members)
+        store.set(f"{self._prefix}/{name}/{self._rank}", value)
+        keys = [f"{self._prefix}/{name}/{r}" for r in members]
+        deadline = time.monotonic() + self._rt.hang_timeout
+        while True:
+            if self._aborted.is_set():
+                raise _Aborted
+            try:
+                store.wait(keys, timeout=0.05)
+                return store.multi_get(keys)
+            except StoreTimeout:
+                if time.monotonic() > deadline:
+                    missing = [r for r, v in zip(members, store.peek(keys), strict=True)
+                               if v is None]
+                    raise Misuse(f"NCCL {name} on rank {self._rank} would block forever: "
+                                 f"rank(s) {missing} never entered it") from None
+
+    def _meanwhile(self, what: str, work: Any, also: Communicator | None = None) -> None:
+        """Run ``work`` (which meets peers): on this thread for a blocking communicator; for a
+        non-blocking one in the background, in progress until it is done."""
+        if self._blocking:
+            try:
+                work()
+            except _Aborted:
+                raise NCCLError(INVALID_USAGE) from None
+            except _Refused as exc:
+                raise NCCLError(exc.code) from None
+            except Misuse as exc:
+                self._rt.report(str(exc))
+                raise
+            return
+        comms = [self] + ([also] if also is not None else [])
+        for c in comms:
+            c._state = IN_PROGRESS
+
+        def background() -> None:
+            try:
+                work()
+            except _Refused as exc:
+                for c in comms:
+                    c._state = exc.code
+                return
+            except Exception:  # noqa: BLE001 - aborted, peers that never come, store closed
+                return  # never completes: in progress until aborted, as NCCL would stay
+            for c in comms:
+                if c._state == IN_PROGRESS:
+                    c._state = SUCCESS
+
+        threading.Thread(target=background, daemon=True, name=f"emu-nccl-{what}").start()
+
+    # -- the API
+    @contextlib.contextmanager
+    def _inside_call(self, name: str):
+        me = threading.get_ident()
+        self._inside[me] = name
         try:
-            store.wait(keys, timeout=self._rt.hang_timeout)
-        except StoreTimeout:
-            raise Misuse("ncclCommInitRank would hang: not every rank joined") from None
-        devices = [int(v) for v in store.multi_get(keys)]
-        if len(set(devices)) != len(devices):  # one host here: one rank per GPU
-            self._rt.report(f"Duplicate GPU detected: ranks' devices {devices}")
-            raise NcclError(INVALID_USAGE)
+            yield
+        finally:
+            self._inside.pop(me, None)
 
-    # -- queries
+    def _check_valid(self, operation: str) -> None:
+        if not self._valid:
+            raise _nc.NcclInvalid(f"Cannot {operation}: Communicator not initialized")
+
+    @contextlib.contextmanager
+    def _api(self, name: str):
+        """An NCCL call: refused on a freed communicator, misuse while one is in progress."""
+        self._check_valid(name)
+        if self._state == IN_PROGRESS:
+            self._rt.report(f"{name} on rank {self._rank} while the communicator is in "
+                            "progress (NCCL allows only get_async_error and abort then)")
+            raise NCCLError(INVALID_USAGE)
+        if self._state != SUCCESS:
+            raise NCCLError(self._state)
+        with self._inside_call(name):
+            yield
+
     @property
-    def comm(self) -> int:
-        return id(self) if self._alive else 0
+    def is_valid(self) -> bool:
+        return self._valid
 
-    def device_id(self) -> int:
-        return self._device
+    @property
+    def ptr(self) -> int:
+        return id(self) if self._valid else 0
 
-    def rank_id(self) -> int:
+    @property
+    def rank(self) -> int:
+        self._check_valid("get rank")
         return self._rank
 
-    def size(self) -> int:
+    @property
+    def nranks(self) -> int:
+        self._check_valid("get nranks")
         return self._size
 
-    def check_async_error(self) -> None:
-        if not self._alive:
-            raise NcclError(INVALID_ARGUMENT)
-        if self.async_error:
-            raise NcclError(self.async_error)
+    def get_async_error(self) -> int:
+        self._check_valid("get async error")
+        return self._state
+
+    def inject_error(self, code: int) -> None:
+        """For tests: NCCL found an asynchronous error (e.g. a network failure)."""
+        self._state = code
 
     def abort(self) -> None:
-        self._alive = False
-        self._aborted.set()
+        self.abort_calls += 1
+        if not self._valid:
+            return
+        others = {t: n for t, n in self._inside.items() if t != threading.get_ident()}
+        if others:
+            self._rt.report(f"ncclCommAbort on rank {self._rank} while another thread is inside "
+                            f"{', '.join(others.values())} on the same communicator (use after "
+                            "free)")
+        with self._inside_call("abort"):
+            self._valid = False
+            self._aborted.set()
+
+    def finalize(self) -> None:
+        if not self._valid:
+            return
+        with self._api("finalize"):
+            self._meanwhile("finalize", lambda: self._meet("finalize", range(self._size)))
 
     def destroy(self) -> None:
-        self._alive = False
+        if not self._valid:
+            return
+        if self._state == IN_PROGRESS:
+            self._rt.report(f"ncclCommDestroy on rank {self._rank} while in progress")
+        self._valid = False
+        self._aborted.set()
 
-    # -- the calls, with CuPy's signatures
-    def allReduce(self, sendbuf, recvbuf, count, datatype, op, stream):
-        self._enqueue(Op(self, "allReduce", sendbuf, recvbuf, count, datatype, op, stream=stream))
+    def split(self, color: int | None = None, key: int = 0, config: Any = None) -> Communicator:
+        with self._api("split"):
+            color = _c_int(-1 if color is None else color, "color")
+            key = _c_int(key, "key")
+            if color < -1:
+                raise NCCLError(INVALID_ARGUMENT)
+            if self._outstanding:
+                self._rt.report(f"ncclCommSplit on rank {self._rank} with work outstanding on "
+                                "the communicator (NCCL may deadlock)")
+            self._split_seq += 1
+            seq, child = self._split_seq, type(self)()
+            if color != -1:
+                child._valid, child._state, child._inside = True, IN_PROGRESS, {}
+                child._aborted = threading.Event()
 
-    def reduce(self, sendbuf, recvbuf, count, datatype, op, root, stream):
-        self._enqueue(Op(self, "reduce", sendbuf, recvbuf, count, datatype, op, root,
-                         stream=stream))
+            def work() -> None:
+                raw = self._meet(f"split/{seq}", range(self._size), f"{color} {key}".encode())
+                if color == -1:
+                    return
+                pairs = [tuple(int(v) for v in r.split()) for r in raw]
+                members = sorted((k, r) for r, (c, k) in enumerate(pairs) if c == color)
+                uid = hashlib.sha512(self._uid + f"{seq}/{color}".encode()).digest()
+                child._setup(len(members), [r for _, r in members].index(self._rank),
+                             uid + uid[:64], self._blocking, self._device)
 
-    def broadcast(self, sendbuff, recvbuff, count, datatype, root, stream):
-        self._enqueue(Op(self, "broadcast", sendbuff, recvbuff, count, datatype, root=root,
-                         stream=stream))
+            self._meanwhile("split", work, also=child if color != -1 else None)
+            return child
 
-    def bcast(self, buff, count, datatype, root, stream):
-        self.broadcast(buff, buff, count, datatype, root, stream)
+    def allreduce(self, sendbuf, recvbuf, op, *, stream=None, config=None) -> None:
+        with self._api("allreduce"):
+            s, r = self._pair(sendbuf, recvbuf, "allreduce", recv_at_least=lambda n: n)
+            self._submit(Op(self, "allreduce", s.ptr, r.ptr, s.count, int(s.dtype), int(op),
+                            stream=self._stream(stream)))
 
-    def reduceScatter(self, sendbuf, recvbuf, recvcount, datatype, op, stream):
-        self._enqueue(Op(self, "reduceScatter", sendbuf, recvbuf, recvcount, datatype, op,
-                         stream=stream))
+    def reduce(self, sendbuf, recvbuf, op, root=None, *, stream=None, config=None) -> None:
+        with self._api("reduce"):
+            s = self._resolve(sendbuf, "sendbuf")
+            r = self._resolve(recvbuf, "recvbuf") if root == self._rank else None
+            self._submit(Op(self, "reduce", s.ptr, r.ptr if r else 0, s.count, int(s.dtype),
+                            int(op), int(root), stream=self._stream(stream)))
 
-    def allGather(self, sendbuf, recvbuf, count, datatype, stream):
-        self._enqueue(Op(self, "allGather", sendbuf, recvbuf, count, datatype, stream=stream))
+    def broadcast(self, sendbuf, recvbuf, root, *, stream=None, config=None) -> None:
+        with self._api("broadcast"):
+            r = self._resolve(recvbuf, "recvbuf")
+            s = self._resolve(sendbuf, "sendbuf") if root == self._rank else None
+            if s is not None and (s.dtype, s.count) != (r.dtype, r.count):
+                raise _nc.NcclInvalid("Buffer count or dtype mismatch")
+            self._submit(Op(self, "broadcast", s.ptr if s else 0, r.ptr, r.count, int(r.dtype),
+                            root=int(root), stream=self._stream(stream)))
 
-    def send(self, sendbuf, count, datatype, peer, stream):
-        self._enqueue(Op(self, "send", send=sendbuf, count=count, dtype=datatype, peer=peer,
-                         stream=stream))
+    def allgather(self, sendbuf, recvbuf, *, stream=None, config=None) -> None:
+        with self._api("allgather"):
+            s, r = self._pair(sendbuf, recvbuf, "allgather",
+                              recv_at_least=lambda n: n * self._size)
+            self._submit(Op(self, "allgather", s.ptr, r.ptr, s.count, int(s.dtype),
+                            stream=self._stream(stream)))
 
-    def recv(self, recvbuf, count, datatype, peer, stream):
-        self._enqueue(Op(self, "recv", recv=recvbuf, count=count, dtype=datatype, peer=peer,
-                         stream=stream))
+    def reduce_scatter(self, sendbuf, recvbuf, op, *, stream=None, config=None) -> None:
+        with self._api("reduce_scatter"):
+            s, r = self._pair(sendbuf, recvbuf, "reduce_scatter",
+                              recv_at_least=lambda n: n // self._size)
+            if s.count // self._size < 1:
+                raise _nc.NcclInvalid(f"sendbuf must have at least {self._size} elements")
+            self._submit(Op(self, "reduce_scatter", s.ptr, r.ptr, s.count // self._size,
+                            int(s.dtype), int(op), stream=self._stream(stream)))
 
-    # -- checks at the call (what NCCL's ArgsCheck and CUDA would refuse)
-    def _check_alive(self) -> None:
-        if not self._alive:
-            raise NcclError(INVALID_ARGUMENT)  # NULL communicator
+    def send(self, sendbuf, peer, *, stream=None) -> None:
+        with self._api("send"):
+            s = self._resolve(sendbuf, "sendbuf")
+            self._submit(Op(self, "send", send=s.ptr, count=s.count, dtype=int(s.dtype),
+                            peer=int(peer), stream=self._stream(stream)))
 
-    def _enqueue(self, op: Op) -> None:
-        self._check_alive()
-        self.calls.append((op.name, {k: getattr(op, k) for k in Op.__slots__[1:-1]}))
+    def recv(self, recvbuf, peer, *, stream=None) -> None:
+        with self._api("recv"):
+            r = self._resolve(recvbuf, "recvbuf")
+            self._submit(Op(self, "recv", recv=r.ptr, count=r.count, dtype=int(r.dtype),
+                            peer=int(peer), stream=self._stream(stream)))
+
+    # -- what nccl4py checks before NCCL sees the call
+    def _resolve(self, spec: Any, what: str) -> NcclBuffer:
+        buf = NcclBuffer(spec)
+        if buf.device_id != self._device:
+            raise _nc.NcclInvalid(
+                f"{what} is on device {buf.device_id}, but communicator is on device "
+                f"{self._device}. Buffers must be on the same device as the communicator.")
+        return buf
+
+    def _pair(self, sendbuf, recvbuf, name, recv_at_least) -> tuple:
+        s, r = self._resolve(sendbuf, "sendbuf"), self._resolve(recvbuf, "recvbuf")
+        if s.dtype != r.dtype:
+            raise _nc.NcclInvalid(f"Dtype mismatch: sendbuf has dtype {s.dtype}, recvbuf has "
+                                  f"dtype {r.dtype}")
+        if r.count < recv_at_least(s.count):
+            raise _nc.NcclInvalid(f"{name}: recvbuf has {r.count} elements, needs "
+                                  f"{recv_at_least(s.count)}")
+        return s, r
+
+    def _stream(self, stream: Any) -> Any:
+        """The stream a call names (None: the default stream), on the communicator's device,
+        as NCCL makes its device current before it launches."""
+        handle = 0 if stream is None else int(stream)
+        with self._rt.using_device(self._device):
+            try:
+                s = self._rt.stream(handle)
+            except RuntimeError as exc:
+                self._rt.report(f"rank {self._rank}: {exc}")
+                raise NCCLError(UNHANDLED_CUDA_ERROR) from None
+        if s.device != self._device:
+            self._rt.report(f"rank {self._rank}: a stream of device {s.device} on a "
+                            f"communicator of device {self._device}")
+            raise NCCLError(UNHANDLED_CUDA_ERROR)
+        return s
+
+    # -- what NCCL checks, and launching
+    def _submit(self, op: Op) -> None:
         self._check(op)
-        if op.name in ("send", "recv"):
-            key = (op.name, op.peer)
-            op.seq = self._p2p[key]
-            self._p2p[key] += 1
-        else:
-            op.seq = self._coll_seq
-            self._coll_seq += 1
-        group = self._rt.module._group()
+        self.calls.append((op.name, {"count": op.count, "dtype": op.dtype,
+                                     "stream": op.stream.handle}))
+        group = self._module.group()
         if group is not None:
             group.append(op)
         else:
-            self._submit([op])
+            self._launch([op])
 
     def _check(self, op: Op) -> None:
         if op.dtype not in NCCL_TYPES:
             self._invalid(f"{op.name}: datatype {op.dtype} is not an ncclDataType_t")
-        if op.name in ("allReduce", "reduce", "reduceScatter") and op.op not in NCCL_OPS:
+        if op.name in ("allreduce", "reduce", "reduce_scatter") and op.op not in NCCL_OPS:
             self._invalid(f"{op.name}: op {op.op} is not an ncclRedOp_t")
         if op.name in ("reduce", "broadcast") and not 0 <= op.root < self._size:
             self._invalid(f"{op.name}: root {op.root} outside [0, {self._size})")
         if op.name in ("send", "recv") and not 0 <= op.peer < self._size:
             self._invalid(f"{op.name}: peer {op.peer} outside [0, {self._size})")
-        try:
-            s = self._rt.stream(op.stream)
-        except RuntimeError as exc:
-            self._rt.report(f"{op.name}: {exc}")
-            raise NcclError(UNHANDLED_CUDA_ERROR) from None
-        if s.device is not None and s.device != self._device:
-            self._invalid(f"{op.name}: stream of device {s.device} on a device-{self._device} "
-                          "communicator")
         nsend, nrecv = self._extents(op)
         self._check_buffer(op, "sendbuff", op.send, nsend)
         self._check_buffer(op, "recvbuff", op.recv, nrecv)
@@ -576,80 +466,92 @@ class EmulatedComm:
 
     def _extents(self, op: Op) -> tuple[int, int]:
         """Bytes each buffer must hold (nccl.h): 0 for a buffer the call does not use."""
-        item = NCCL_TYPES[op.dtype].itemsize
-        n, size = op.count * item, self._size
-        if op.name == "allGather":
-            return n, n * size
-        if op.name == "reduceScatter":
-            return n * size, n
-        if op.name == "reduce":
-            return n, n if self._rank == op.root else 0
-        if op.name == "broadcast":
-            return (n if self._rank == op.root else 0), n
-        if op.name == "send":
-            return n, 0
-        if op.name == "recv":
-            return 0, n
-        return n, n
+        n, size = op.count * NCCL_TYPES[op.dtype].itemsize, self._size
+        root = self._rank == op.root
+        return {"allgather": (n, n * size), "reduce_scatter": (n * size, n),
+                "reduce": (n, n if root else 0), "broadcast": (n if root else 0, n),
+                "send": (n, 0), "recv": (0, n)}.get(op.name, (n, n))
 
     def _check_buffer(self, op: Op, what: str, ptr: int, nbytes: int) -> None:
-        if nbytes == 0 or op.count == 0:
+        if nbytes == 0:
             return
         if ptr == 0:
             self._invalid(f"{op.name}: {what} is NULL")
-        a = self._rt.find(ptr, nbytes)
-        if a is None:
+        block = self._rt.pool.find(ptr, nbytes)
+        if block is None:
             self._invalid(f"{op.name}: {what} {ptr:#x}+{nbytes} bytes is not inside one device "
                           "allocation")
-        if a.kind != "device" or a.device != self._device:
-            self._invalid(f"{op.name}: {what} is {a.kind} memory of device {a.device}, the "
-                          f"communicator is on device {self._device}")
+        if block.kind != "device" or block.device != self._device:
+            self._invalid(f"{op.name}: {what} is {block.kind} memory of device {block.device}, "
+                          f"the communicator is on device {self._device}")
 
     def _check_overlap(self, op: Op, nsend: int, nrecv: int) -> None:
         """Overlapping buffers must be exactly nccl.h's in-place layout."""
         if not nsend or not nrecv or op.send + nsend <= op.recv or op.recv + nrecv <= op.send:
             return
         shift = self._rank * op.count * NCCL_TYPES[op.dtype].itemsize
-        if op.name == "allGather":
-            legal = op.send == op.recv + shift
-        elif op.name == "reduceScatter":
-            legal = op.recv == op.send + shift
-        else:
-            legal = op.send == op.recv
+        legal = {"allgather": op.send == op.recv + shift,
+                 "reduce_scatter": op.recv == op.send + shift}.get(op.name, op.send == op.recv)
         if not legal:
             self._invalid(f"{op.name}: send and receive buffers overlap but are not NCCL's "
                           "in-place layout")
 
     def _invalid(self, message: str) -> None:
         self._rt.report(message)
-        raise NcclError(INVALID_ARGUMENT)
+        raise NCCLError(INVALID_ARGUMENT)
 
-    # -- execution on the stream
-    def _submit(self, ops: list[Op]) -> None:
-        first = self._rt.stream(ops[0].stream)
-        others = {op.stream for op in ops} - {ops[0].stream}
-        if not others:
-            first.submit(lambda: self._execute(ops))
+    def _launch(self, ops: list[Op]) -> None:
+        """Number the calls, connect what is not yet connected (the host blocks there, or the
+        communicator is in progress), then queue them on their stream."""
+        for op in ops:
+            if op.name in ("send", "recv"):
+                key = (op.name, op.peer)
+                op.seq, self._p2p[key] = self._p2p[key], self._p2p[key] + 1
+            else:
+                op.seq, self._coll_seq = self._coll_seq, self._coll_seq + 1
+        channels = {("p2p",) + tuple(sorted((self._rank, op.peer))) if op.name in ("send", "recv")
+                    else ("coll",) for op in ops}
+        new = channels - self._connected
+        with self._count_lock:
+            self._outstanding += 1
+        if not new:
+            self._enqueue(ops)
             return
+
+        def connect() -> None:
+            for chan in sorted(new):
+                members = range(self._size) if chan == ("coll",) else chan[1:]
+                self._meet("connect/" + "/".join(map(str, chan)), members)
+            self._connected |= new
+            self._enqueue(ops)
+
+        self._meanwhile("connect", connect)
+
+    def _enqueue(self, ops: list[Op]) -> None:
+        streams = {id(op.stream): op.stream for op in ops}
+        first, others = ops[0].stream, [s for k, s in streams.items() if k != id(ops[0].stream)]
         done = threading.Event()
 
-        def run():
+        def run() -> None:
             try:
                 self._execute(ops)
             finally:
+                with self._count_lock:
+                    self._outstanding -= 1
                 done.set()
 
         first.submit(run)
-        for handle in others:
-            self._rt.stream(handle).submit(lambda: done.wait(self._rt.hang_timeout))
+        for s in others:  # a group over several streams: each waits for the whole group
+            s.submit(lambda: done.wait(self._rt.hang_timeout))
 
+    # -- execution, on the stream
     def _execute(self, ops: list[Op]) -> None:
         try:
             for op in ops:
                 if op.name == "send":
                     self._post(f"p2p/{self._rank}->{op.peer}/{op.seq}", op, op.send)
             for op in ops:
-                if op.name not in ("send", "recv"):
+                if op.name in COLLECTIVES:
                     self._collective(op)
             for op in ops:
                 if op.name == "recv":
@@ -659,10 +561,10 @@ class EmulatedComm:
                     self._fetch(f"p2p/{self._rank}->{op.peer}/{op.seq}/ack",
                                 f"send #{op.seq} to rank {op.peer} never received")
         except _Aborted:
-            return
+            return  # the kernel was terminated
         except Misuse as exc:
             self._rt.report(f"rank {self._rank}: {exc}")
-            self.async_error = INVALID_USAGE
+            self._state = INVALID_USAGE
 
     def _post(self, key: str, op: Op, ptr: int, nbytes: int | None = None) -> None:
         n = op.count * NCCL_TYPES[op.dtype].itemsize if nbytes is None else nbytes
@@ -674,12 +576,8 @@ class EmulatedComm:
         while True:
             if self._aborted.is_set():
                 raise _Aborted
-            if self._rt.held.is_set():
-                self._aborted.wait(0.05)
-                continue
             try:
-                raw = self._rt.store.get(f"{self._prefix}/{key}", timeout=0.1)
-                return pickle.loads(raw)
+                return pickle.loads(self._rt.store.get(f"{self._prefix}/{key}", timeout=0.05))
             except StoreTimeout:
                 if time.monotonic() > deadline:
                     raise Misuse(f"NCCL would hang: {what}") from None
@@ -695,10 +593,9 @@ class EmulatedComm:
         self._rt.store.set(f"{self._prefix}/{key}/ack", pickle.dumps(True))
 
     def _collective(self, op: Op) -> None:
-        mine_needed = not (op.name == "broadcast" and self._rank != op.root)
         base = f"coll/{op.seq}"
         nsend, _ = self._extents(op)
-        self._post(f"{base}/{self._rank}", op, op.send if mine_needed else 0, nsend)
+        self._post(f"{base}/{self._rank}", op, op.send, nsend)
         got = [self._fetch(f"{base}/{r}", f"rank {r} never called collective #{op.seq} "
                            f"({op.name})") for r in range(self._size)]
         for r, (meta, _) in enumerate(got):
@@ -706,48 +603,26 @@ class EmulatedComm:
                 raise Misuse(f"collective #{op.seq}: rank {self._rank} called {op.meta()}, "
                              f"rank {r} called {meta}")
         dtype = NCCL_TYPES[op.dtype]
-        parts = [np.frombuffer(data, dtype) for _, data in got]
-        result = self._combine(op, parts, dtype)
+        result = self._combine(op, [np.frombuffer(data, dtype) for _, data in got], dtype)
         if result is not None:
-            out = host_view(op.recv, result.nbytes, dtype)
-            out[:] = result
+            host_view(op.recv, result.nbytes, dtype)[:] = result
 
     def _combine(self, op: Op, parts: list[np.ndarray], dtype: np.dtype) -> np.ndarray | None:
         if op.name == "broadcast":
             return parts[op.root]
-        if op.name == "allGather":
+        if op.name == "allgather":
             return np.concatenate(parts)
         if op.name == "reduce" and self._rank != op.root:
             return None
+        floating = dtype.kind == "f" or dtype in (NCCL_TYPES[9], NCCL_TYPES[10], NCCL_TYPES[11])
+        if op.op == AVG and floating:  # ncclAvg: premultiply by fl(1/n), then sum
+            scale = dtype.type(1.0 / self._size)
+            parts = [(p * scale).astype(dtype) for p in parts]
         total = parts[0].copy()
         for p in parts[1:]:
             total = NCCL_OPS[op.op](total, p).astype(dtype)
-        if op.op == NCCL_AVG:
-            total = (total / self._size).astype(dtype)
-        if op.name == "reduceScatter":
+        if op.op == AVG and dtype.kind in "iu":
+            total = (total // self._size).astype(dtype)
+        if op.name == "reduce_scatter":
             return total[self._rank * op.count:(self._rank + 1) * op.count]
         return total
-
-
-class SplitMixin:
-    """``commSplit`` (CuPy >= 13 with NCCL >= 2.18); left out to emulate older bindings."""
-
-    def commSplit(self, color: int, key: int, config: Any = None):
-        """Blocking and collective over this communicator, like ncclCommSplit."""
-        self._check_alive()
-        self._split_seq += 1
-        store, base = self._rt.store, f"{self._prefix}/split/{self._split_seq}"
-        store.set(f"{base}/{self._rank}", f"{color} {key}")
-        keys = [f"{base}/{r}" for r in range(self._size)]
-        store.wait(keys, timeout=self._rt.hang_timeout)
-        pairs = [tuple(int(v) for v in raw.split()) for raw in store.multi_get(keys)]
-        if color == -1:
-            return None
-        members = sorted((k, r) for r, (c, k) in enumerate(pairs) if c == color)
-        new_rank = [r for _, r in members].index(self._rank)
-        uid = hashlib.sha512(self._uid + f"{self._split_seq}/{color}".encode()).digest()
-        return type(self)(len(members), uid + uid[:64], new_rank)
-
-
-class _Aborted(Exception):
-    """The communicator was aborted while an op waited for its peers."""

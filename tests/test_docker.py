@@ -109,3 +109,16 @@ def test_compose_offers_a_gpu_and_a_cpu_service_sharing_memory_and_results():
                    "driver: nvidia", "capabilities: [gpu]", "../results:/results",
                    "dockerfile: docker/Dockerfile"):
         assert needle in text, needle
+
+
+def test_the_gpu_image_has_the_self_check_and_nccl4py():
+    from gpucoll.cli import COMMANDS
+
+    tomllib = pytest.importorskip("tomllib")
+    extras = tomllib.loads((ROOT / "pyproject.toml").read_text())["project"][
+        "optional-dependencies"]
+    assert any(dep.startswith("nccl4py") for dep in extras["cuda12"])  # the image's extra
+    assert not any("cutlass" in dep or "nccl4py[" in dep for dep in extras["cuda12"])
+    assert "selftest" in COMMANDS
+    assert "docker run --rm --gpus all --ipc=host gpucoll-bench selftest" in \
+        DOCKERFILE.read_text()

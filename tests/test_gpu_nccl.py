@@ -1,10 +1,14 @@
 """The same collectives on real CUDA devices (marked ``gpu``: skipped where CUDA is absent).
 
 One GPU: a world of one on NCCL, and the staged ring across two processes sharing the device.
-Several GPUs: NCCL across one process per device.
+Several GPUs: NCCL across one process per device. And the self-check, which must pass.
 """
 
 from __future__ import annotations
+
+import json
+import subprocess
+import sys
 
 import numpy as np
 import pytest
@@ -70,3 +74,12 @@ def test_auto_picks_nccl_where_every_rank_has_a_gpu(store_server):
 
     name, reason = choose_backend("auto", store_server, 0, 1)
     assert name == "nccl", reason
+
+
+@pytest.mark.timeout(1800)
+def test_the_selftest_passes_on_this_machines_gpus(tmp_path):
+    out = tmp_path / "selftest.json"
+    run = subprocess.run([sys.executable, "-m", "gpucoll", "selftest", "--json", str(out)],
+                         capture_output=True, text=True, timeout=1700)
+    assert run.returncode == 0, run.stdout + run.stderr
+    assert json.loads(out.read_text())["outcome"] == "passed"

@@ -30,6 +30,7 @@ LAYER_OF = {
     "gpucoll.cli": "cli",
     "gpucoll.__main__": "cli",
     "gpucoll.info": "cli",
+    "gpucoll.selftest": "cli",
     "gpucoll.bench": "cli",
     "gpucoll.doctor": "cli",
     "gpucoll.launch": "launch",

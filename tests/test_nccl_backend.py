@@ -1,17 +1,18 @@
-"""One rank of the NCCL backend against the emulation: faults, streams, argument checks, and
-the emulation itself refusing what NCCL refuses."""
+"""One rank of the NCCL backend against the emulation (faults, streams, argument checks), and the
+emulation itself behaving as NCCL does: refusing what NCCL refuses, blocking where it blocks."""
 
 from __future__ import annotations
 
+import threading
+
 import numpy as np
 import pytest
-from nccl_emulation import EmulatedRuntime, FakeDeviceArray, NcclError
+from nccl_emulation import INVALID_ARGUMENT, EmulatedRuntime, FakeDeviceArray, NCCLError
 
 from gpucoll import cuda
 from gpucoll.arrays import as_ref
 from gpucoll.backends.nccl import NcclBackend
-from gpucoll.backends.nccl_watch import NcclFailure
-from gpucoll.errors import CollectiveTimeout
+from gpucoll.errors import CollectiveTimeout, NcclFailure
 from gpucoll.ops import ReduceOp
 from gpucoll.store import PrefixStore
 
@@ -38,39 +39,43 @@ def ref(rt, values, **kw):
 
 
 def test_a_hung_collective_is_aborted_at_its_deadline(rt, backend):
-    rt.held.set()  # the emulated peers never arrive
+    release = rt.stall(rt.current_stream())  # the kernel before it never finishes
     x = ref(rt, np.ones(4, np.float32))
     work = backend.run_async(lambda: backend.all_reduce(x, ReduceOp.SUM, timeout=0.3))
     with pytest.raises(CollectiveTimeout, match="all_reduce on rank 0 of 1 did not complete "
-                                                "within 0.3 s; the NCCL communicator was aborted"):
+                                                "within 0.3 s.*the NCCL communicator was "
+                                                "aborted"):
         work.synchronize()
     assert work.is_completed()
     with pytest.raises(CollectiveTimeout):
         backend.broadcast(x, 0, timeout=5)
+    release()
 
 
 def test_close_returns_after_an_abort(rt, backend):
-    rt.held.set()
+    release = rt.stall(rt.current_stream())
     backend.all_reduce(ref(rt, np.ones(2, np.float32)), ReduceOp.SUM, timeout=30)
     backend.abort("a peer died")
     backend.close()
     backend.close()
+    release()
 
 
 def test_an_asynchronous_nccl_error_names_the_op_and_rank(rt, backend):
-    rt.held.set()
-    backend.all_gather(ref(rt, np.ones(2, np.int32)), ref(rt, np.ones(2, np.int32)), timeout=30)
-    backend._comm.async_error = 3  # ncclInternalError, as ncclCommGetAsyncError reports it
-    work = backend.run_async(lambda: None)
-    with pytest.raises(NcclFailure, match="all_gather on rank 0 of 1: NCCL failed "
+    release = rt.stall(rt.current_stream())
+    x, out = ref(rt, np.ones(2, np.int32)), ref(rt, np.ones(2, np.int32))
+    work = backend.run_async(lambda: backend.all_gather(x, out, timeout=30))
+    backend._nc.comm.inject_error(3)  # ncclInternalError, as ncclCommGetAsyncError reports it
+    with pytest.raises(NcclFailure, match=r"all_gather on rank 0 of 1: NCCL failed "
                                           r"\(ncclInternalError\)"):
         work.synchronize(timeout=20)
+    release()
 
 
 def test_host_arrays_are_refused_before_anything_is_enqueued(rt, backend):
     with pytest.raises(TypeError, match="needs device arrays"):
         backend.all_reduce(as_ref(np.ones(3), "x"), ReduceOp.SUM, timeout=5)
-    assert backend._comm.calls == []
+    assert backend._nc.comm.calls == []
 
 
 def test_a_buffer_on_another_device_is_refused(rt, backend):
@@ -82,7 +87,7 @@ def test_a_buffer_on_another_device_is_refused(rt, backend):
 def test_the_device_is_the_local_rank_unless_given(rt, store_server, monkeypatch):
     monkeypatch.setenv("GPUCOLL_LOCAL_RANK", "1")
     b = NcclBackend(PrefixStore("dev/", store_server), 0, 1, timeout=5)
-    assert b.device == 1 and b._comm.device_id() == 1
+    assert b.device == 1 and b._nc.comm._device == 1
     b.close()
     with pytest.raises(ValueError, match="device=5 on rank 0: expected an int in \\[0, 2\\)"):
         NcclBackend(PrefixStore("dev2/", store_server), 0, 1, timeout=5, device=5)
@@ -90,72 +95,134 @@ def test_the_device_is_the_local_rank_unless_given(rt, store_server, monkeypatch
 
 def test_async_work_wait_orders_the_current_stream_without_blocking(rt, backend):
     x = ref(rt, np.arange(3, dtype=np.float64))
-    work = backend.run_async(lambda: backend.all_reduce(x, ReduceOp.AVG, timeout=5))
     mine = rt.new_stream()
+    release = rt.stall(rt.current_stream())
+    work = backend.run_async(lambda: backend.all_reduce(x, ReduceOp.AVG, timeout=5))
     with rt.use_stream(mine):
-        work.wait()
-    rt.synchronize()
+        work.wait()  # returns while the work is stalled: only the stream waits
+        assert not work.is_completed()
+        release()
+        np.testing.assert_array_equal(x.array.get(), np.arange(3))  # on `mine`, after it
     assert work.is_completed()
-    np.testing.assert_array_equal(x.array.get(), np.arange(3))
 
 
-# ---- the emulation refuses what NCCL refuses ------------------------------------------------
+# ---- the emulation behaves as NCCL does --------------------------------------------------------
 
 @pytest.fixture
 def comm(rt):
-    c = rt.nccl().NcclCommunicator(1, rt.nccl().get_unique_id(), 0)
+    c = rt.nccl().Communicator.init(1, 0, rt.nccl().get_unique_id())
     yield c
     c.destroy()
 
 
-def test_emulation_rejects_unknown_datatype_and_op_codes(rt, comm):
-    buf = FakeDeviceArray(np.zeros(4, np.float32), rt)
-    with pytest.raises(NcclError, match="INVALID_ARGUMENT"):
-        comm.allReduce(buf.ptr, buf.ptr, 4, 12, 0, 0)
-    with pytest.raises(NcclError, match="INVALID_ARGUMENT"):
-        comm.allReduce(buf.ptr, buf.ptr, 4, 7, 5, 0)
-    assert "datatype 12" in rt.misuse[0] and "op 5" in rt.misuse[1]
+def buf(rt, n, dtype=np.float32, offset=0, count=None):
+    """A buffer of ``n`` elements and a cupy view of ``count`` of them from ``offset``."""
+    arr = FakeDeviceArray(np.zeros(n, dtype), rt)
+    view = rt.nccl_buffer(arr.ptr + offset * arr.dtype.itemsize,
+                          n - offset if count is None else count, arr.dtype, 0)
+    return arr, view
+
+
+def test_emulation_rejects_unknown_op_codes(rt, comm):
+    arr, b = buf(rt, 4)
+    with pytest.raises(NCCLError) as info:
+        comm.allreduce(b, b, 5)
+    assert info.value.status == INVALID_ARGUMENT and "op 5" in rt.misuse[0]
 
 
 def test_emulation_rejects_a_count_past_the_allocation(rt, comm):
-    buf = FakeDeviceArray(np.zeros(4, np.float32), rt)
-    with pytest.raises(NcclError):
-        comm.allReduce(buf.ptr, buf.ptr, 5, 7, 0, 0)
+    arr, b = buf(rt, 200, count=1000)
+    with pytest.raises(NCCLError):
+        comm.allreduce(b, b, 0)
     assert "not inside one device allocation" in rt.misuse[0]
 
 
 def test_emulation_rejects_roots_and_peers_out_of_range(rt, comm):
-    buf = FakeDeviceArray(np.zeros(4, np.float32), rt)
-    with pytest.raises(NcclError):
-        comm.broadcast(buf.ptr, buf.ptr, 4, 7, 1, 0)
-    with pytest.raises(NcclError):
-        comm.send(buf.ptr, 4, 7, 3, 0)
+    arr, b = buf(rt, 4)
+    with pytest.raises(NCCLError):
+        comm.broadcast(b, b, 1)
+    with pytest.raises(NCCLError):
+        comm.send(b, 3)
 
 
 def test_emulation_rejects_unknown_streams_and_group_end_without_start(rt, comm):
-    buf = FakeDeviceArray(np.zeros(4, np.float32), rt)
-    with pytest.raises(NcclError, match="UNHANDLED_CUDA_ERROR"):
-        comm.allReduce(buf.ptr, buf.ptr, 4, 7, 0, 0xDEAD)
-    with pytest.raises(NcclError, match="INVALID_USAGE"):
-        rt.nccl().groupEnd()
+    arr, b = buf(rt, 4)
+    with pytest.raises(NCCLError, match="UnhandledCudaError"):
+        comm.allreduce(b, b, 0, stream=0xDEAD)
+    with pytest.raises(NCCLError, match="InvalidUsage"):
+        rt.nccl().group_end()
 
 
 def test_emulation_rejects_overlap_that_is_not_the_in_place_layout(rt, comm):
-    buf = FakeDeviceArray(np.zeros(8, np.float32), rt)
-    with pytest.raises(NcclError):
-        comm.allReduce(buf.ptr, buf.ptr + 4, 4, 7, 0, 0)
-    comm.allGather(buf.ptr, buf.ptr, 8, 7, 0)  # rank 0's slot is the send buffer: in place
+    arr, _ = buf(rt, 8)
+    with pytest.raises(NCCLError):
+        comm.allreduce(rt.nccl_buffer(arr.ptr, 4, arr.dtype, 0),
+                       rt.nccl_buffer(arr.ptr + 4, 4, arr.dtype, 0), 0)
+    whole = rt.nccl_buffer(arr.ptr, 8, arr.dtype, 0)
+    comm.allgather(whole, whole)  # rank 0's slot is the send buffer: in place
     rt.synchronize()
 
 
-def test_emulation_reports_a_send_nobody_receives(rt, comm, store_addr):
+def test_emulation_reports_a_receive_that_meets_a_send_of_another_count(rt, comm):
     rt.hang_timeout = 0.5
-    buf = FakeDeviceArray(np.zeros(4, np.float32), rt)
-    rt.nccl().groupStart()
-    comm.send(buf.ptr, 4, 7, 0, 0)
-    comm.recv(buf.ptr, 2, 7, 0, 0)  # count 2 against a send of 4
-    rt.nccl().groupEnd()
+    a4, four = buf(rt, 4)  # the arrays stay referenced while NCCL uses their memory
+    a2, two = buf(rt, 2)
+    rt.nccl().group_start()
+    comm.send(four, 0)
+    comm.recv(two, 0)
+    rt.nccl().group_end()
     rt.synchronize()
     assert any("met a send of 4" in m for m in rt.misuse)
-    with pytest.raises(NcclError, match="INVALID_USAGE"):
-        comm.check_async_error()
+    assert comm.get_async_error() == 5  # ncclInvalidUsage
+
+
+def on_device_1(fn):
+    """``fn`` run in a new thread whose current device is 1 (two ranks may not share one)."""
+    def run():
+        cuda.runtime().set_device(1)
+        fn()
+
+    return threading.Thread(target=run)
+
+
+def test_emulation_blocks_a_blocking_init_until_every_rank_has_entered(rt):
+    nc, uid = rt.nccl(), rt.nccl().get_unique_id()
+    made = []
+    peer = on_device_1(lambda: made.append(nc.Communicator.init(2, 1, uid)))
+    peer.start()
+    made.append(nc.Communicator.init(2, 0, uid))  # returns once rank 1 has entered too
+    peer.join(10)
+    assert len(made) == 2 and all(c.is_valid for c in made)
+
+
+def test_emulation_makes_a_non_blocking_init_return_in_progress_until_the_peers_come(rt):
+    nc, uid = rt.nccl(), rt.nccl().get_unique_id()
+    config = nc.NCCLConfig(blocking=False)
+    first = nc.Communicator.init(2, 0, uid, config=config)
+    assert first.get_async_error() == 7  # ncclInProgress: rank 1 has not entered
+    with rt.using_device(1):
+        second = nc.Communicator.init(2, 1, uid, config=config)
+    for c in (first, second):
+        while c.get_async_error() == 7:
+            threading.Event().wait(0.01)
+        assert c.get_async_error() == 0
+    first.abort()
+    second.abort()
+
+
+def test_emulation_calls_an_abort_under_a_call_of_another_thread_a_use_after_free(rt):
+    nc, uid = rt.nccl(), rt.nccl().get_unique_id()
+    rt.hang_timeout = 2
+    peer = on_device_1(lambda: nc.Communicator.init(2, 1, uid))
+    peer.start()
+    comm = nc.Communicator.init(2, 0, uid)
+    peer.join(10)
+    arr, b = buf(rt, 4)
+    inside = threading.Thread(target=lambda: pytest.raises(NCCLError, comm.allreduce, b, b, 0))
+    inside.start()  # the first collective: blocks in the call until rank 1 connects (never)
+    while not comm._inside:
+        threading.Event().wait(0.001)
+    comm.abort()
+    inside.join(10)
+    assert any("use after free" in m for m in rt.misuse)
+    rt.misuse.clear()

@@ -1,108 +1,138 @@
-"""The real CuPy and NCCL on this machine: the binding the backend calls, the unique id in the
-store, what ``auto`` and ``gpucoll info`` say without a GPU."""
+"""The real nccl4py, NCCL and CuPy on this machine: the binding the backend calls (names,
+signatures, codes, how errors and "in progress" come back), the unique id in the store, and
+what ``auto`` and ``gpucoll info`` say without a GPU."""
 
 from __future__ import annotations
 
+import inspect
 import json
 import subprocess
 import sys
 
-import ml_dtypes
 import numpy as np
 import pytest
 from conftest import cuda_available
 
-from gpucoll.backends import nccl_boot, nccl_types
-from gpucoll.backends.nccl_auto import nccl_version
+from gpucoll import cuda
+from gpucoll.arrays import SUPPORTED_DTYPES, dtype_from_name
+from gpucoll.backends.nccl import boot, codes, driver
+from gpucoll.backends.nccl.auto import library_version
+from gpucoll.errors import CollectiveTimeout, NcclFailure, PeerFailure
 from gpucoll.ops import ReduceOp
 
-nccl = pytest.importorskip("cupy.cuda.nccl")
+nc = pytest.importorskip("nccl.core")
+bindings = pytest.importorskip("nccl.bindings.nccl")
 
-# every attribute of cupy.cuda.nccl / NcclCommunicator / cupy.cuda.runtime that gpucoll calls
-NCCL_MODULE = ["NcclCommunicator", "NcclError", "get_unique_id", "get_version",
-               "get_build_version", "groupStart", "groupEnd", "available"]
-COMMUNICATOR = ["allReduce", "reduce", "broadcast", "allGather", "reduceScatter", "send", "recv",
-                "commSplit", "abort", "check_async_error", "destroy"]
-RUNTIME = ["getDeviceCount", "getDevice", "eventCreateWithFlags", "eventDisableTiming",
-           "eventRecord", "eventQuery", "eventSynchronize", "eventDestroy", "streamWaitEvent",
-           "streamCreateWithFlags", "streamNonBlocking", "memcpyAsync", "memcpyDefault",
-           "pointerGetAttributes", "check_status", "driverGetVersion", "runtimeGetVersion",
-           "getDeviceProperties", "deviceGetPCIBusId"]
+# how the backend (and the emulation) call nccl4py: method -> its parameters, in order
+SIGNATURES = {
+    "init": ["nranks", "rank", "unique_id", "config"],
+    "split": ["self", "color", "key", "config"],
+    "abort": ["self"],
+    "finalize": ["self"],
+    "destroy": ["self"],
+    "get_async_error": ["self"],
+    "allreduce": ["self", "sendbuf", "recvbuf", "op", "stream", "config"],
+    "reduce": ["self", "sendbuf", "recvbuf", "op", "root", "stream", "config"],
+    "broadcast": ["self", "sendbuf", "recvbuf", "root", "stream", "config"],
+    "allgather": ["self", "sendbuf", "recvbuf", "stream", "config"],
+    "reduce_scatter": ["self", "sendbuf", "recvbuf", "op", "stream", "config"],
+    "send": ["self", "sendbuf", "peer", "stream"],
+    "recv": ["self", "recvbuf", "peer", "stream"],
+}
+MODULE = ["Communicator", "NCCLConfig", "UniqueId", "NcclInvalid", "get_unique_id",
+          "get_version", "group_start", "group_end"]
+RUNTIME = ["getDeviceCount", "getDevice", "setDevice", "streamIsCapturing", "memcpyAsync",
+           "memcpyDefault", "pointerGetAttributes", "deviceGetPCIBusId", "driverGetVersion",
+           "runtimeGetVersion", "getDeviceProperties"]
 CUPY = ["get_current_stream", "Device", "alloc", "alloc_pinned_memory", "UnownedMemory",
-        "MemoryPointer"]
+        "MemoryPointer", "Event", "ExternalStream", "Stream"]
 
 
-def test_every_cupy_and_nccl_attribute_the_backend_uses_exists():
+def test_every_nccl4py_name_the_backend_uses_exists_with_its_parameters():
+    assert [name for name in MODULE if not hasattr(nc, name)] == []
+    for method, params in SIGNATURES.items():
+        assert list(inspect.signature(getattr(nc.Communicator, method)).parameters) == params
+    stream = inspect.signature(nc.Communicator.allreduce).parameters["stream"]
+    assert stream.kind is inspect.Parameter.KEYWORD_ONLY
+    assert isinstance(nc.Communicator.is_valid, property)
+    assert nc.NCCLConfig(blocking=False).blocking is False
+
+
+def test_every_cupy_name_the_runtime_uses_exists():
     import cupy
     from cupy.cuda import runtime
 
-    missing = [f"nccl.{a}" for a in NCCL_MODULE if not hasattr(nccl, a)]
-    missing += [f"NcclCommunicator.{a}" for a in COMMUNICATOR
-                if not hasattr(nccl.NcclCommunicator, a)]
-    missing += [f"runtime.{a}" for a in RUNTIME if not hasattr(runtime, a)]
+    missing = [f"runtime.{a}" for a in RUNTIME if not hasattr(runtime, a)]
     missing += [f"cupy.cuda.{a}" for a in CUPY if not hasattr(cupy.cuda, a)]
-    missing += [] if hasattr(cupy.cuda.Stream, "from_external") else ["Stream.from_external"]
-    missing += [] if hasattr(cupy, "from_dlpack") else ["cupy.from_dlpack"]
+    missing += [] if hasattr(cupy, "RawKernel") else ["cupy.RawKernel"]
     assert missing == []
+    assert isinstance(cupy.cuda.Event.done, property)  # cuda.Event's protocol: .done
 
 
-def test_communicator_methods_take_the_arguments_the_backend_passes():
-    doc = {name: getattr(nccl.NcclCommunicator, name).__doc__.splitlines()[0]
-           for name in ("allReduce", "reduce", "broadcast", "allGather", "reduceScatter",
-                        "send", "recv", "commSplit")}
-    assert "(self, intptr_t sendbuf, intptr_t recvbuf, size_t count, int datatype, int op, " \
-           "intptr_t stream)" in doc["allReduce"]
-    assert "int op, int root, intptr_t stream)" in doc["reduce"]
-    assert "int datatype, int root, intptr_t stream)" in doc["broadcast"]
-    assert "size_t count, int datatype, intptr_t stream)" in doc["allGather"]
-    assert "size_t recvcount, int datatype, int op, intptr_t stream)" in doc["reduceScatter"]
-    assert "(self, intptr_t sendbuf, size_t count, int datatype, int peer, intptr_t stream)" \
-        in doc["send"]
-    assert "(self, intptr_t recvbuf, size_t count, int datatype, int peer, intptr_t stream)" \
-        in doc["recv"]
-    assert "(self, int color, int key" in doc["commSplit"]
+def test_dtype_and_op_codes_are_nccl4pys():
+    for name, code in codes.DTYPE_CODES.items():
+        assert nc.NcclDataType.from_numpy_dtype(dtype_from_name(name)) == code, name
+    for op, code in codes.OP_CODES.items():
+        assert nc.NcclRedOp[op.name] == code, op
 
 
-def test_dtype_and_op_codes_match_cupys_constants():
-    pairs = {"int8": "NCCL_INT8", "uint8": "NCCL_UINT8", "int32": "NCCL_INT32",
-             "uint32": "NCCL_UINT32", "int64": "NCCL_INT64", "uint64": "NCCL_UINT64",
-             "float16": "NCCL_FLOAT16", "float32": "NCCL_FLOAT32", "float64": "NCCL_FLOAT64",
-             "bfloat16": "NCCL_BFLOAT16"}
-    for name, const in pairs.items():
-        assert nccl_types.DTYPE_CODES[name] == getattr(nccl, const), name
-    ops = {ReduceOp.SUM: "NCCL_SUM", ReduceOp.PROD: "NCCL_PROD", ReduceOp.MAX: "NCCL_MAX",
-           ReduceOp.MIN: "NCCL_MIN", ReduceOp.AVG: "NCCL_AVG"}
-    for op, const in ops.items():
-        assert nccl_types.OP_CODES[op] == getattr(nccl, const), op
+def test_the_dtype_table_lists_only_dtypes_gpucoll_accepts():
+    assert set(codes.DTYPE_CODES) <= set(SUPPORTED_DTYPES)
 
 
-def test_fp8_codes_match_the_wheels_nccl_h():
-    import nvidia.nccl
+def test_a_cupy_view_of_a_pointer_is_what_nccl4py_reads_as_that_buffer():
+    from nccl.core.buffer import NcclBuffer
 
-    header = (next(iter(nvidia.nccl.__path__)) + "/include/nccl.h")
-    text = open(header).read()
-    assert "ncclFloat8e4m3 = 10" in text and "ncclFloat8e5m2 = 11" in text
-    assert nccl_types.DTYPE_CODES[np.dtype(ml_dtypes.float8_e4m3fn).name] == 10
+    host = np.zeros(8, np.float32)
+    ptr = host.__array_interface__["data"][0]
+    for dtype, code in ((np.dtype(np.float32), 7), (dtype_from_name("bfloat16"), 9),
+                        (np.dtype(np.uint8), 1)):
+        buf = NcclBuffer(cuda.cupy_view(ptr, 3, dtype, 1))
+        assert (buf.ptr, buf.count, int(buf.dtype), buf.device_id) == (ptr, 3, code, 1)
 
 
 def test_complex_sums_travel_as_float_pairs_and_complex_prod_is_refused():
-    plan = nccl_types.reduce_plan(ReduceOp.AVG, np.dtype(np.complex64), "all_reduce")
-    assert (plan.native, plan.code, plan.op, plan.factor) == (True, 7, 4, 2)
+    plan = codes.reduce_plan(ReduceOp.AVG, np.dtype(np.complex64), "all_reduce")
+    assert (plan.native, plan.dtype, plan.op, plan.factor) == (True, np.float32, 4, 2)
     with pytest.raises(TypeError, match="all_reduce.*'prod'.*complex128"):
-        nccl_types.reduce_plan(ReduceOp.PROD, np.dtype(np.complex128), "all_reduce")
+        codes.reduce_plan(ReduceOp.PROD, np.dtype(np.complex128), "all_reduce")
+
+
+def test_in_progress_is_not_an_error_and_every_other_result_code_is_one():
+    bindings.check_status(7)  # ncclInProgress: how a non-blocking call comes back
+    for status in (1, 2, 3, 4, 5, 6, 8):
+        with pytest.raises(bindings.NCCLError) as info:
+            bindings.check_status(status)
+        assert info.value.status == status
+
+
+def test_every_nccl_result_code_becomes_a_gpucoll_error_naming_it():
+    for status, name in driver.RESULT_NAMES.items():
+        err = driver.translate(bindings.NCCLError(status), "all_reduce", 1, 4)
+        assert f"all_reduce on rank 1 of 4: NCCL failed ({name})" in str(err)
+    assert isinstance(driver.translate(bindings.NCCLError(6), "x", 0, 2), PeerFailure)
+    assert isinstance(driver.translate(bindings.NCCLError(8), "x", 0, 2), CollectiveTimeout)
+    inprogress = driver.translate(bindings.NCCLError(7), "x", 0, 2)
+    assert isinstance(inprogress, NcclFailure) and inprogress.status == 7
+    refused = driver.translate(nc.NcclInvalid("recvbuf too small"), "x", 0, 2)
+    assert refused.status is None and "NCCL failed (refused): recvbuf too small" in str(refused)
 
 
 def test_the_real_unique_id_travels_through_the_store(store_server):
-    sent = nccl_boot.share_unique_id(store_server, 0, 2, nccl, timeout=5)
-    got = nccl_boot.share_unique_id(store_server, 1, 2, nccl, timeout=5)
+    sent = boot.share_unique_id(store_server, 0, nc, 5, None)
+    got = boot.share_unique_id(store_server, 1, nc, 5, None)
     assert len(sent) == 128 and got == sent
-    assert nccl_boot.uid_to_bytes(nccl_boot.uid_to_tuple(sent)) == sent  # CuPy < 14's form
+    assert bytes(nc.UniqueId.from_bytes(got)) == sent
+
+
+def test_the_library_version_is_the_wheels():
+    assert library_version(nc).count(".") == 2
 
 
 @pytest.mark.skipif(cuda_available(), reason="checks the machine without a GPU")
 def test_the_real_communicator_needs_a_gpu():
-    with pytest.raises(nccl.NcclError, match="NCCL_ERROR_UNHANDLED_CUDA_ERROR"):
-        nccl.NcclCommunicator(1, nccl.get_unique_id(), 0)
+    with pytest.raises(bindings.NCCLError, match="UnhandledCudaError"):
+        nc.Communicator.init(1, 0, nc.get_unique_id(), config=nc.NCCLConfig(blocking=False))
 
 
 @pytest.mark.skipif(cuda_available(), reason="checks the machine without a GPU")
@@ -129,9 +159,9 @@ def test_gpucoll_info_reports_versions_and_the_auto_choice_without_a_traceback()
                          capture_output=True, text=True, timeout=60)
     assert run.returncode == 0 and "Traceback" not in run.stderr, run.stderr
     info = json.loads(run.stdout)
-    assert info["nccl"]["library"] == nccl_version(nccl.get_version())
+    assert info["nccl"]["library"] == library_version(nc)
+    assert info["nccl"]["nccl4py"] == str(nc.get_version().nccl4py)
     assert info["auto_backend"] == "ring" and "no usable device" in info["auto_reason"]
     text = subprocess.run([sys.executable, "-m", "gpucoll", "info"], capture_output=True,
                           text=True, timeout=60)
     assert text.returncode == 0 and "auto backend  ring" in text.stdout
-

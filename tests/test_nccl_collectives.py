@@ -15,9 +15,9 @@ pytestmark = pytest.mark.timeout(120)
 
 def test_all_reduce_of_every_dtype_and_op_matches_numpy(store_addr):
     calls = spawn(nccl_ranks.all_reduce_cases, 2, store_addr, timeout=90)
-    # bitwise ops and dtypes NCCL lacks go through allGather plus a local reduction
-    assert calls[0].count("allGather") == 5
-    assert calls[0].count("allReduce") == len(nccl_ranks.ALL_REDUCE_CASES) - 5
+    # bitwise ops and dtypes NCCL lacks go through allgather plus a local reduction
+    assert calls[0].count("allgather") == 5
+    assert calls[0].count("allreduce") == len(nccl_ranks.ALL_REDUCE_CASES) - 5
 
 
 def test_all_reduce_on_three_ranks(store_addr):
@@ -60,9 +60,8 @@ def test_async_op_returns_event_work(store_addr):
     spawn(nccl_ranks.async_cases, 2, store_addr, timeout=60)
 
 
-@pytest.mark.parametrize("comm_split", [True, False], ids=["commSplit", "fresh-unique-id"])
-def test_split_groups_ranks_by_color_and_orders_them_by_key(store_addr, comm_split):
-    got = spawn(nccl_ranks.split_cases, 3, store_addr, comm_split, timeout=60)
+def test_split_groups_ranks_by_color_and_orders_them_by_key(store_addr):
+    got = spawn(nccl_ranks.split_cases, 3, store_addr, timeout=60)
     # colors: rank 0 -> 0, rank 1 -> 1, rank 2 -> None; each group has one member
     assert got == [(0, 1, 0), (0, 1, 1), (None, None, None)]
 

@@ -14,22 +14,22 @@ pytestmark = pytest.mark.timeout(180)
 
 def test_out_of_place_forms_read_x_and_write_out(store_addr):
     calls = spawn(ranks.out_of_place, 3, store_addr, timeout=150)
-    assert "allReduce" in calls[0] and "reduce" in calls[0] and "broadcast" in calls[0]
+    assert "allreduce" in calls[0] and "reduce" in calls[0] and "broadcast" in calls[0]
 
 
 def test_uneven_all_gather_is_a_group_of_broadcasts_for_small_buffers(store_addr):
     calls = spawn(ranks.uneven, 3, store_addr, "broadcasts", timeout=150)
-    assert "allGather" not in calls[0] and calls[0].count("broadcast") == 2 * 3
+    assert "allgather" not in calls[0] and calls[0].count("broadcast") == 2 * 3
 
 
 def test_uneven_all_gather_as_a_group_of_sends_and_receives(store_addr):
     calls = spawn(ranks.uneven, 3, store_addr, "sends", timeout=150)
-    assert "allGather" not in calls[0] and "broadcast" not in calls[0]
+    assert "allgather" not in calls[0] and "broadcast" not in calls[0]
 
 
 def test_uneven_all_gather_is_a_padded_all_gather_for_large_even_ones(store_addr):
     calls = spawn(ranks.uneven, 3, store_addr, "padded", timeout=150)
-    assert calls[0].count("allGather") == 2  # the two all_gather_v calls
+    assert calls[0].count("allgather") == 2  # the two all_gather_v calls
 
 
 def test_objects_travel_through_device_buffers(store_addr):
@@ -43,7 +43,7 @@ def test_a_batch_is_one_group_of_sends_and_receives(store_addr):
 
 def test_all_reduce_many_reduces_device_arrays_and_a_device_bucket(store_addr):
     calls = spawn(ranks.fused, 2, store_addr, timeout=150)
-    assert calls[0].count("allReduce") == 7  # 6 arrays in one group, then the bucket
+    assert calls[0].count("allreduce") == 7  # 6 arrays in one group, then the bucket
 
 
 def test_new_group_and_monitored_barrier(store_addr):

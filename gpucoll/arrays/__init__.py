@@ -120,8 +120,9 @@ class Adapter(abc.ABC):
         """Elements ``start:start+count`` of ``ref`` as a flat reference, without copying."""
 
     @abc.abstractmethod
-    def write_back(self, ref: ArrayRef, obj: Any) -> None:
-        """Copy ``ref``'s elements into ``obj``, the strided array ``ref`` was copied from."""
+    def write_back(self, ref: ArrayRef, obj: Any, stream: Any = None) -> None:
+        """Copy ``ref``'s elements into ``obj``, the strided array ``ref`` was copied from
+        (device arrays: on ``stream``, default the current stream)."""
 
 
 _adapters: list[tuple[int, Adapter]] = []
@@ -196,9 +197,10 @@ def new_array(kind: str, shape: tuple[int, ...], dtype: np.dtype) -> Any:
     return _by_kind[kind].new(tuple(shape), dtype)
 
 
-def write_back(ref: ArrayRef, obj: Any) -> None:
-    """Copy a contiguous stand-in's elements back into the caller's non-contiguous ``obj``."""
-    _by_kind[ref.kind].write_back(ref, obj)
+def write_back(ref: ArrayRef, obj: Any, stream: Any = None) -> None:
+    """Copy a contiguous stand-in's elements back into the caller's non-contiguous ``obj``
+    (device arrays: on ``stream``, after the call that filled the stand-in)."""
+    _by_kind[ref.kind].write_back(ref, obj, stream)
 
 
 _dtype_verdicts: dict[np.dtype, bool] = {}  # reading dtype.name costs microseconds per call
@@ -218,8 +220,11 @@ def check_dtype(dtype: np.dtype, name: str) -> None:
 def dtype_from_name(name: str) -> np.dtype:
     """The dtype for a ``SUPPORTED_DTYPES`` name (bfloat16 needs ml_dtypes)."""
     if name == "bfloat16":
-        import ml_dtypes
-
+        try:
+            import ml_dtypes
+        except ImportError:
+            raise TypeError("bfloat16 arrays need the ml_dtypes package: pip install ml_dtypes "
+                            "(gpucoll[cuda12] includes it)") from None
         return np.dtype(ml_dtypes.bfloat16)
     return np.dtype(name)
 

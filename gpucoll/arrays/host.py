@@ -119,5 +119,5 @@ class HostAdapter(Adapter):
         return ArrayRef(part, "host", None, (count,), ref.dtype, count,
                         count * ref.dtype.itemsize, part)
 
-    def write_back(self, ref: ArrayRef, obj: Any) -> None:
+    def write_back(self, ref: ArrayRef, obj: Any, stream: Any = None) -> None:
         np.copyto(to_numpy(obj), ref.host.reshape(ref.shape))

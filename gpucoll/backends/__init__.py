@@ -64,17 +64,20 @@ def requested_name(backend: Any) -> str:
     return backend
 
 
-def choose_backend(requested: str, store: Any, rank: int, size: int) -> tuple[str, str]:
+def choose_backend(requested: str, store: Any, rank: int, size: int,
+                   device: Any = None) -> tuple[str, str]:
     """The backend to build for ``requested`` and why: ``(name, reason)``.
 
-    An explicit name is taken as is. For "auto" the GPU logic decides (every rank must reach the
-    same answer, which is why the group's store is passed); until it applies, the host ring.
+    An explicit name is taken as is. For "auto" every rank reports whether it can use NCCL on
+    the device it would drive (``device``, else its local rank's), and all ranks apply one rule
+    to the reports (every rank must reach the same answer, which is why the group's store is
+    passed).
     """
     if requested != "auto":
         return requested, f"backend={requested!r} was requested"
-    from gpucoll.backends.nccl_auto import agree
+    from gpucoll.backends.nccl.auto import agree
 
-    return agree(store, rank, size, float(getattr(store, "timeout", 300.0)))
+    return agree(store, rank, size, float(getattr(store, "timeout", 300.0)), device)
 
 
 def create_backend(requested: str, store: Any, rank: int, size: int, *, timeout: float,
@@ -84,7 +87,7 @@ def create_backend(requested: str, store: Any, rank: int, size: int, *, timeout:
     The backend's ``backend_reason`` says why it was chosen (the Communicator shows it); the
     choice is logged once, at INFO, on the ``gpucoll`` logger.
     """
-    name, reason = choose_backend(requested_name(requested), store, rank, size)
+    name, reason = choose_backend(requested_name(requested), store, rank, size, device)
     backend = FACTORIES[name](store, rank, size, timeout=timeout, device=device)
     try:
         backend.backend_reason = reason

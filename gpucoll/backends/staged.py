@@ -3,10 +3,14 @@
 ``StagedBackend`` wraps a host backend (the ring). Host buffers pass straight through. For
 device buffers of element-wise ops (all_reduce, broadcast, reduce, send, recv) the data moves in
 chunks through two pinned buffers: while the ring works on chunk i on the host, the copy of
-chunk i+1 to the host is already running on the stream, and chunk i-1's result is on its way
-back. Ops that rearrange slots (gathers, scatters, all-to-all) stage whole buffers. Every copy
-is queued on the call's stream (default: the current stream), so the staged call is ordered
-after earlier work on it and later work sees the results.
+chunk i+1 to the host and the copy of chunk i-1's result back are both queued on the stream,
+and the host waits only for the copy of the chunk it works on next. Ops that rearrange slots
+(gathers, scatters, all-to-all) stage whole buffers. Every copy is queued on the call's stream
+(default: the issuing thread's current stream), which first waits for the data's producers, so
+the staged call is ordered after them and later work on the stream sees the results; the call
+runs with the arrays' device current. Pinned buffers and device arrays stay referenced until
+the copies that use them are done (``cuda.hold``), and an asynchronous call's Work is complete
+only once its copies back are.
 """
 
 from __future__ import annotations
@@ -22,9 +26,9 @@ import numpy as np
 from gpucoll import cuda
 from gpucoll.arrays import ArrayRef, as_ref
 from gpucoll.backends.base import Backend
-from gpucoll.errors import CollectiveTimeout, GpucollError
+from gpucoll.errors import CollectiveTimeout, GpucollError, UsageError
 from gpucoll.ops import ReduceOp
-from gpucoll.work import CompletedWork
+from gpucoll.work import CompletedWork, DeviceTail, wait_event
 
 CHUNK_BYTES = 4 << 20
 
@@ -109,30 +113,43 @@ class StagedBackend(Backend):
 
     def _pipeline(self, x: ArrayRef, down: bool, up: bool, timeout: float, stream: Any,
                   run: Callable[[ArrayRef, float], None]) -> None:
-        """Chunk i: device->host copy (queued one chunk ahead), ``run`` on the host, and
-        host->device copy of the result, alternating between two pinned buffers."""
+        """Chunk k: device->host copy, ``run`` on the host, host->device copy of the result,
+        alternating between two pinned buffers. Every copy is queued on the call's stream, in
+        the order copy down k+1, copy up k: the host waits only for the copy down of the chunk
+        it works on next, so the ring's work on chunk k overlaps the copy up of chunk k-1 and
+        the copy down of chunk k+1."""
         rt, deadline = cuda.runtime(), time.monotonic() + timeout
-        s = self._stream(rt, x, stream)
-        per = max(1, self.chunk_bytes // x.dtype.itemsize)
-        chunks = [(i, min(per, x.count - i)) for i in range(0, x.count, per)] or [(0, 0)]
-        pair = self._buffers(rt, min(x.nbytes, per * x.dtype.itemsize))
-        ready = [self._down(rt, x, pair[0], chunks[0], s, down, deadline)]
-        for k, (start, count) in enumerate(chunks):
-            buf = pair[k % 2]
-            if k + 1 < len(chunks):  # start copying the next chunk before working on this one
-                ready.append(self._down(rt, x, pair[(k + 1) % 2], chunks[k + 1], s, down,
-                                        deadline))
-            _wait(ready[k], deadline, "device-to-host copy", self.rank)
-            run(buf.host_ref(x.dtype, count), deadline - time.monotonic())
-            if up and count:
-                rt.memcpy_async(x.ptr + start * x.dtype.itemsize, buf.ptr,
-                                count * x.dtype.itemsize, s)
-                buf.busy = rt.record_event(s)
+        item = x.dtype.itemsize
+        with rt.using_device(x.device):
+            s = self._stream(rt, (x,), stream, "staged")
+            per = max(1, self.chunk_bytes // item)
+            chunks = [(i, min(per, x.count - i)) for i in range(0, x.count, per)] or [(0, 0)]
+            pair = self._buffers(rt, min(x.nbytes, per * item), s)
+            last = None
+            try:
+                ready = [self._down(rt, x, pair[0], chunks[0], s, down)]
+                for k, (start, count) in enumerate(chunks):
+                    buf = pair[k % 2]
+                    if k + 1 < len(chunks):  # queued ahead: runs while the host works on k
+                        ready.append(self._down(rt, x, pair[(k + 1) % 2], chunks[k + 1], s,
+                                                down))
+                    _wait(ready[k], deadline, "device-to-host copy", self.rank)
+                    run(buf.host_ref(x.dtype, count), _left(deadline))
+                    if up and count:
+                        rt.memcpy_async(x.ptr + start * item, buf.ptr, count * item, s)
+                last = rt.record_event(s)
+            finally:
+                if last is None:
+                    last = rt.record_event(s)
+                for buf in pair:  # the next call's copies into them come after these
+                    buf.busy = last
+                cuda.hold(last, x)  # the copies up still write into x
+            self._finish(last, deadline)
 
     def _down(self, rt: Any, x: ArrayRef, buf: _Pinned, chunk: tuple[int, int], s: int,
-              down: bool, deadline: float) -> Any:
-        _wait(buf.busy, deadline, "host-to-device copy", self.rank)  # buffer free again
-        buf.busy = None
+              down: bool) -> Any:
+        """Queue the copy of ``chunk`` into ``buf`` (when ``down``); the event after it (the
+        host may use ``buf`` once it has completed)."""
         start, count = chunk
         if down and count:
             rt.memcpy_async(buf.ptr, x.ptr + start * x.dtype.itemsize,
@@ -166,29 +183,37 @@ class StagedBackend(Backend):
 
     def _whole(self, refs: tuple, inputs: tuple, timeout: float, stream: Any,
                run: Callable[[list, float], None]) -> None:
-        """Copy device inputs to pinned memory, run on the host, copy device outputs back."""
+        """Copy device inputs to pinned memory, run on the host, copy device outputs back; the
+        pinned buffers and the device arrays stay referenced until those copies are done."""
         if all(r is None or r.kind != "device" for r in refs):
             return run(list(refs), timeout)
         rt, deadline = cuda.runtime(), time.monotonic() + timeout
-        s = self._stream(rt, next(r for r in refs if r is not None), stream)
-        hosts, backs = [], []
-        for ref, is_input in zip(refs, inputs, strict=True):
-            if ref is None or ref.kind != "device":
-                hosts.append(ref)
-                continue
-            buf = _Pinned(rt, ref.nbytes)
-            if is_input and ref.nbytes:
-                rt.memcpy_async(buf.ptr, ref.ptr, ref.nbytes, s)
-            hosts.append(buf.host_ref(ref.dtype, ref.count))
-            if not is_input:
-                backs.append((ref, buf))
-        _wait(rt.record_event(s), deadline, "device-to-host copy", self.rank)
-        run(hosts, deadline - time.monotonic())
-        for ref, buf in backs:
-            if ref.nbytes:
-                rt.memcpy_async(ref.ptr, buf.ptr, ref.nbytes, s)
-        if backs:  # the pinned buffers must outlive the copies
-            _wait(rt.record_event(s), deadline, "host-to-device copy", self.rank)
+        first = next(r for r in refs if r is not None and r.kind == "device")
+        with rt.using_device(first.device):
+            s = self._stream(rt, refs, stream, "staged")
+            hosts, backs, bufs = [], [], []
+            last = None
+            try:
+                for ref, is_input in zip(refs, inputs, strict=True):
+                    if ref is None or ref.kind != "device":
+                        hosts.append(ref)
+                        continue
+                    buf = _Pinned(rt, ref.nbytes)
+                    bufs.append(buf)
+                    if is_input and ref.nbytes:
+                        rt.memcpy_async(buf.ptr, ref.ptr, ref.nbytes, s)
+                    hosts.append(buf.host_ref(ref.dtype, ref.count))
+                    if not is_input:
+                        backs.append((ref, buf))
+                _wait(rt.record_event(s), deadline, "device-to-host copy", self.rank)
+                run(hosts, _left(deadline))
+                for ref, buf in backs:
+                    if ref.nbytes:
+                        rt.memcpy_async(ref.ptr, buf.ptr, ref.nbytes, s)
+                last = rt.record_event(s)
+            finally:
+                cuda.hold(last if last is not None else rt.record_event(s), refs, bufs)
+            self._finish(last, deadline)
 
     # ---- out of place: a device copy into out, then the in-place pipeline on it ------------
 
@@ -217,12 +242,17 @@ class StagedBackend(Backend):
         self.broadcast(out, root, timeout=timeout, stream=stream)
 
     def _copy(self, src: ArrayRef, dst: ArrayRef, stream: Any, timeout: float) -> None:
-        """``dst`` := ``src`` (same size; either may be on the device), ordered on the stream."""
+        """``dst`` := ``src`` (same size; either may be on the device), ordered on the stream;
+        both stay referenced until the copy is done."""
         rt = cuda.runtime()
-        s = self._stream(rt, src if src.kind == "device" else dst, stream)
-        if src.nbytes:
-            rt.memcpy_async(dst.ptr, src.ptr, src.nbytes, s)
-        _wait(rt.record_event(s), time.monotonic() + timeout, "copy into out", self.rank)
+        device = src.device if src.kind == "device" else dst.device
+        with rt.using_device(device):
+            s = self._stream(rt, (src, dst), stream, "copy into out")
+            if src.nbytes:
+                rt.memcpy_async(dst.ptr, src.ptr, src.nbytes, s)
+            done = rt.record_event(s)
+            cuda.hold(done, src, dst)
+            _wait(done, time.monotonic() + timeout, "copy into out", self.rank)
 
     # ---- uneven sizes and grouped rounds: whole buffers ----------------------------------
 
@@ -270,18 +300,44 @@ class StagedBackend(Backend):
 
     # ---- streams and pinned buffers ------------------------------------------------------
 
-    def _stream(self, rt: Any, ref: ArrayRef, stream: Any) -> int:
-        if stream is None:
-            stream = getattr(self._local, "stream", None)
-        s = rt.stream_handle(stream)
-        if ref.stream is not None and ref.stream != s:
-            rt.wait_event(s, rt.record_event(ref.stream))
+    def _stream(self, rt: Any, refs: tuple, stream: Any, opname: str) -> int:
+        """The call's stream (``stream=``, else the issuing thread's current stream), ordered
+        after the producers of the data: that current stream and any CAI v3 stream."""
+        current = getattr(self._local, "current", None)
+        if current is None:
+            current = rt.current_stream()
+        s = current if stream is None else rt.stream_handle(stream)
+        if rt.is_capturing(s):
+            raise UsageError(
+                f"{opname} on rank {self.rank}: stream {s:#x} is capturing a CUDA graph; the "
+                "host ring cannot run inside a graph")
+        producers = [] if current == s else [current]
+        for ref in refs:
+            if ref is not None and ref.stream is not None and ref.stream != s and \
+                    ref.stream not in producers:
+                producers.append(ref.stream)
+        for p in producers:
+            rt.wait_event(s, rt.record_event(p))
         return s
 
-    def _buffers(self, rt: Any, nbytes: int) -> list[_Pinned]:
+    def _buffers(self, rt: Any, nbytes: int, s: int) -> list[_Pinned]:
+        """The two pinned chunk buffers, at least ``nbytes`` each, free for stream ``s``: its
+        work comes after their last use (that of an earlier call, maybe on another stream)."""
         if self._pair is None or self._pair[0].mem.nbytes < nbytes:
+            old = self._pair
+            if old is not None and old[0].busy is not None:  # its copies may still run
+                cuda.hold(old[0].busy, old)
             self._pair = [_Pinned(rt, nbytes), _Pinned(rt, nbytes)]
+        for buf in self._pair:
+            if buf.busy is not None:
+                rt.wait_event(s, buf.busy)
         return self._pair
+
+    def _finish(self, last: Any, deadline: float) -> None:
+        """Tell the Work of an asynchronous call which device work it left queued."""
+        tail = getattr(self._local, "tail", None)
+        if tail is not None:
+            tail.event, tail.deadline = last, deadline
 
     # ---- the rest delegates --------------------------------------------------------------
 
@@ -289,18 +345,21 @@ class StagedBackend(Backend):
         self.inner.barrier(timeout=timeout)
 
     def run_async(self, call: Callable[[], None], *, stream: Any = None):
-        """Run on the inner backend's worker, with this thread's current stream as default
-        (CUDA's current stream is per thread)."""
-        issuer = stream if stream is not None else _current_stream()
+        """Run on the inner backend's worker with the issuing thread's current stream (CUDA's
+        current stream is per thread); the Work completes once the copies back are done."""
+        current = _current_stream()
+        tail = DeviceTail()
 
         def staged() -> None:
-            self._local.stream = issuer
+            self._local.current, self._local.tail = current, tail
             try:
                 call()
             finally:
-                self._local.stream = None
+                self._local.current = self._local.tail = None
 
-        return self.inner.run_async(staged, stream=stream)
+        work = self.inner.run_async(staged, stream=stream)
+        work.tail = tail
+        return work
 
     def run_sync(self, call: Callable[[], None]) -> None:
         self.inner.run_sync(call)
@@ -335,10 +394,10 @@ def _current_stream() -> int | None:
 
 
 def _wait(event: Any, deadline: float, what: str, rank: int) -> None:
-    """Block the host until ``event`` is done, at most until ``deadline``."""
-    delay = 0.00002
-    while event is not None and not event.done():
-        if time.monotonic() > deadline:
-            raise CollectiveTimeout(f"staged {what} on rank {rank} did not finish in time")
-        time.sleep(delay)
-        delay = min(delay * 2, 0.001)
+    """Block the host until ``event`` has completed, at most until ``deadline``."""
+    if not wait_event(event, deadline):
+        raise CollectiveTimeout(f"staged {what} on rank {rank} did not finish in time")
+
+
+def _left(deadline: float) -> float:
+    return max(deadline - time.monotonic(), 0.0)

@@ -27,7 +27,7 @@ from collections.abc import Callable
 from typing import Any
 
 from gpucoll import info
-from gpucoll.backends import nccl_auto
+from gpucoll.backends.nccl import auto as nccl_auto
 
 
 def versions(*modules: str) -> dict[str, str]:
@@ -127,14 +127,14 @@ def transport_of(comm: Any) -> str:
 
 
 def nccl_version() -> str:
-    """NCCL's library version as ``2.23.4`` (empty when it does not load)."""
+    """The version of the NCCL library the NCCL backend loads (through nccl4py), as ``2.23.4``
+    (empty when it does not load)."""
     try:
-        from cupy.cuda import nccl
+        from gpucoll import cuda
 
-        code = nccl.get_version()
+        return nccl_auto.library_version(cuda.runtime().nccl())
     except Exception:
         return ""
-    return nccl_auto.nccl_version(code)
 
 
 def machine() -> dict[str, Any]:

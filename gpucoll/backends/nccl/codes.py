@@ -1,10 +1,12 @@
 """How gpucoll's dtypes and reduce ops map onto NCCL's ``ncclDataType_t`` and ``ncclRedOp_t``.
 
-The codes are nccl.h's (NCCL >= 2.10 for bfloat16, 2.24 for fp8) and equal CuPy's
-``cupy.cuda.nccl.NCCL_*`` constants where CuPy defines them. A test checks both against the
-installed packages. What NCCL cannot reduce natively is either carried exactly another way
-(complex sum/avg as float pairs; bitwise ops and dtypes NCCL lacks through an all-gather and a
-local reduction) or refused with a TypeError naming the op and dtype.
+The codes are nccl.h's (NCCL >= 2.10 for bfloat16) and equal nccl4py's ``NcclDataType`` and
+``NcclRedOp``; a test checks both against the installed packages. Only dtypes gpucoll accepts
+are listed (NCCL's fp8 types are not among them). nccl4py reads an NCCL datatype off the array it
+is handed, so each plan also names the NumPy dtype of that array. What NCCL cannot reduce
+natively is either carried exactly another way (complex sum/avg as float pairs; bitwise ops and
+dtypes NCCL lacks through an all-gather and a local reduction) or refused with a TypeError
+naming the op and dtype.
 """
 
 from __future__ import annotations
@@ -28,10 +30,7 @@ DTYPE_CODES: dict[str, int] = {
     "float32": 7,
     "float64": 8,
     "bfloat16": 9,
-    "float8_e4m3fn": 10,
-    "float8_e5m2": 11,
 }
-NCCL_UINT8 = DTYPE_CODES["uint8"]
 
 # ncclRedOp_t (nccl.h): note max is 2 and min is 3
 OP_CODES: dict[ReduceOp, int] = {
@@ -42,25 +41,26 @@ OP_CODES: dict[ReduceOp, int] = {
     ReduceOp.AVG: 4,
 }
 
-# a complex number travels as two floats of this NCCL type
-_COMPLEX_PARTS = {"complex64": DTYPE_CODES["float32"], "complex128": DTYPE_CODES["float64"]}
+_UINT8 = np.dtype(np.uint8)
+# a complex number travels as two floats of this dtype
+_COMPLEX_PARTS = {"complex64": np.dtype(np.float32), "complex128": np.dtype(np.float64)}
 
 
 @dataclasses.dataclass(frozen=True, slots=True)
 class Wire:
-    """An NCCL datatype for moving a dtype: ``factor`` wire elements per array element."""
+    """How a dtype travels: as ``factor`` elements of ``dtype`` (an NCCL type) per element."""
 
-    code: int
+    dtype: np.dtype
     factor: int
 
 
 @dataclasses.dataclass(frozen=True, slots=True)
 class ReducePlan:
-    """How a reduction runs: ``native`` with NCCL's (code, op) on ``factor``x the elements, or
-    through an all-gather and a local reduction of ``op`` (``native`` False)."""
+    """How a reduction runs: ``native`` with NCCL's ``op`` on ``factor``x the elements as
+    ``dtype``, or (``native`` False) through an all-gather of ``dtype`` and a local reduction."""
 
     native: bool
-    code: int
+    dtype: np.dtype
     op: int
     factor: int
 
@@ -70,10 +70,10 @@ def wire(dtype: np.dtype) -> Wire:
     """The NCCL type that moves ``dtype`` unchanged (movement only: any dtype can travel)."""
     name = dtype.name
     if name in DTYPE_CODES:
-        return Wire(DTYPE_CODES[name], 1)
+        return Wire(dtype, 1)
     if name in _COMPLEX_PARTS:
         return Wire(_COMPLEX_PARTS[name], 2)
-    return Wire(NCCL_UINT8, dtype.itemsize)
+    return Wire(_UINT8, dtype.itemsize)
 
 
 @functools.lru_cache(maxsize=256)
@@ -81,13 +81,13 @@ def reduce_plan(op: ReduceOp, dtype: np.dtype, opname: str) -> ReducePlan:
     """How NCCL carries out ``op`` on ``dtype``; TypeError when it cannot do so honestly."""
     name = dtype.name
     if name in DTYPE_CODES and op in OP_CODES:
-        return ReducePlan(True, DTYPE_CODES[name], OP_CODES[op], 1)
+        return ReducePlan(True, dtype, OP_CODES[op], 1)
     if name in _COMPLEX_PARTS and op in (ReduceOp.SUM, ReduceOp.AVG):
         # (a+bi)+(c+di) is a componentwise sum, and so is the mean: exact as float pairs
         return ReducePlan(True, _COMPLEX_PARTS[name], OP_CODES[op], 2)
     if dtype.kind in "biu" and (op in BITWISE or op in OP_CODES):
         w = wire(dtype)
-        return ReducePlan(False, w.code, -1, w.factor)
+        return ReducePlan(False, w.dtype, -1, w.factor)
     raise TypeError(
         f"{opname}: the NCCL backend cannot apply op={op.value!r} to dtype {name} "
         "(NCCL has no such reduction and no exact substitute)"

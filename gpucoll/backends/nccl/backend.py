@@ -1,0 +1,435 @@
+"""The NCCL backend: collectives on device arrays, enqueued on CUDA streams through nccl4py.
+
+Every call
+1. makes the communicator's device current while it runs, and restores the caller's, so that
+   its events and temporaries belong to that device whichever thread or device context the
+   caller is in;
+2. orders its stream (``stream=``, default: the current stream) after the producers of its
+   data: the caller's current stream, and the stream a CUDA-array-interface v3 object names;
+3. enqueues NCCL's work through ``driver`` (no call blocks past its deadline) and records an
+   event after it. The watchdog (``watch``) polls that event against the call's deadline, and
+   every buffer NCCL touches (inputs, outputs, temporaries) stays referenced until it completes,
+   so that no memory pool hands that memory out while NCCL still reads or writes it.
+
+Results are stream-ordered: later work on the stream sees them. gather, scatter and all-to-all
+are grouped send/recv; reductions NCCL lacks run as an all-gather plus a local reduction on the
+device (``codes``). All CUDA access goes through ``gpucoll.cuda`` so that the emulation in the
+tests can stand in for it.
+"""
+
+from __future__ import annotations
+
+import copy
+import time
+from collections.abc import Callable
+from typing import Any
+
+import numpy as np
+
+from gpucoll import cuda
+from gpucoll.backends.base import Backend
+from gpucoll.backends.nccl import boot
+from gpucoll.backends.nccl.codes import reduce_plan, wire
+from gpucoll.backends.nccl.driver import IN_PROGRESS, SUCCESS, Driver, failure
+from gpucoll.backends.nccl.grouped import GroupedNccl
+from gpucoll.backends.nccl.watch import EventWork, Pending, Positions, Watchdog
+from gpucoll.errors import BackendUnavailable, CollectiveTimeout, GpucollError, UsageError
+from gpucoll.ops import ReduceOp
+from gpucoll.store.gather import Liveness
+
+_INT32 = np.dtype(np.int32)
+
+
+def same_stream(a: int, b: int) -> bool:
+    """True when two stream handles name one stream (CAI's 1 is the legacy null stream 0)."""
+    return a == b or (a in (0, cuda.STREAM_LEGACY) and b in (0, cuda.STREAM_LEGACY))
+
+
+def load_nccl(rt: Any, rank: int) -> Any:
+    """nccl4py's ``nccl.core`` through the runtime, or BackendUnavailable saying why."""
+    try:
+        return rt.nccl()
+    except Exception as exc:  # noqa: BLE001 - ImportError, or a library that fails to load
+        raise BackendUnavailable(
+            f"nccl backend on rank {rank}: nccl4py cannot be loaded ({type(exc).__name__}: "
+            f"{exc}); install gpucoll[cuda12]") from exc
+
+
+class NcclBackend(GroupedNccl, Backend):
+    """One NCCL communicator over ``size`` ranks, one CUDA device per rank.
+
+    Constructing it is collective: all ranks meet in ``store`` (the communicator's namespace),
+    rank 0 publishes the NCCL unique id, and each rank makes its communicator on ``device``
+    (default: its local rank), which also becomes this thread's current device.
+    """
+
+    name = "nccl"
+
+    def __init__(self, store: Any, rank: int, size: int, *, timeout: float,
+                 device: int | None = None, _driver: Driver | None = None):
+        self.rank, self.size, self.timeout = rank, size, timeout
+        self._rt = rt = cuda.runtime()
+        if _driver is None:
+            ok, why = rt.available()
+            if not ok:
+                raise BackendUnavailable(f"nccl backend on rank {rank}: {why}")
+            nc = load_nccl(rt, rank)
+            self.device = boot.pick_device(rt, rank, device)
+            rt.set_device(self.device)
+            _driver = self._start(nc, store, timeout)
+        else:
+            self.device = device
+        self._nc = _driver
+        self._store = store
+        self._closed = False
+        self._last: Pending | None = None
+        self._scratch: Any = None
+        positions = Positions(store, rank, size, self.progress)
+        _driver.diagnose = positions.diagnose
+        self._watchdog = Watchdog(rank, size, self._check_async, self._fail, _driver.liveness,
+                                  positions)
+
+    def _start(self, nc: Any, store: Any, timeout: float) -> Driver:
+        """Arrival, the unique id, then the communicator, all within one deadline."""
+        deadline = time.monotonic() + timeout
+        liveness = Liveness.of(store, self.rank, self.size)
+        boot.arrive(store, self.rank, self.size, timeout, liveness)
+        uid = boot.share_unique_id(store, self.rank, nc, _left(deadline), liveness)
+        boot.enter(store, self.rank)
+        with self._rt.using_device(self.device):
+            return Driver.create(nc, self.size, self.rank, uid, deadline=deadline,
+                                 timeout=timeout, liveness=liveness,
+                                 diagnose=lambda: boot.not_entered(store, self.rank, self.size))
+
+    # ---- plumbing -------------------------------------------------------------------------
+
+    def _begin(self, opname: str, stream: Any, timeout: float, refs: tuple) -> int:
+        """Check the buffers, resolve the stream and order it after the data's producers
+        (the communicator's device is current)."""
+        if self._closed or self._nc.failure is not None:
+            self.raise_failure()
+        rt = self._rt
+        current = rt.current_stream()
+        s = current if stream is None else rt.stream_handle(stream)
+        if rt.is_capturing(s):
+            raise UsageError(
+                f"{opname} on rank {self.rank}: stream {s:#x} is capturing a CUDA graph; "
+                "the nccl backend cannot run collectives under capture (it tracks each call "
+                "with an event the host polls)")
+        producers = [] if same_stream(current, s) else [current]
+        for ref in refs:
+            if ref is None:
+                continue
+            if ref.kind != "device":
+                raise TypeError(
+                    f"{opname}: the nccl backend needs device arrays, got a host array "
+                    f"({type(ref.array).__name__}) on rank {self.rank}"
+                )
+            if ref.device is not None and ref.device != self.device:
+                raise ValueError(
+                    f"{opname}: a buffer is on device {ref.device}, but rank {self.rank}'s "
+                    f"communicator is on device {self.device}; buffers must be on the "
+                    "communicator's device"
+                )
+            if ref.stream is not None and not same_stream(ref.stream, s) and all(
+                    not same_stream(ref.stream, p) for p in producers):
+                producers.append(ref.stream)
+        for p in producers:
+            rt.wait_event(s, rt.record_event(p))
+        return s
+
+    def _end(self, opname: str, s: int, deadline: float, timeout: float, keep: Any) -> None:
+        """Record the event that marks the call's completion and hand it to the watchdog;
+        ``keep`` (every buffer of the call) stays referenced until then."""
+        event = self._rt.record_event(s)
+        self._last = Pending(event, deadline, opname, timeout, keep)
+        self._watchdog.add(self._last)
+
+    def _buf(self, ptr: int, count: int, dtype: np.dtype) -> Any:
+        return self._rt.nccl_buffer(ptr, count, dtype, self.device)
+
+    def _run(self, opname: str, fn: Callable, *args: Any, deadline: float, timeout: float,
+             **kwargs: Any) -> None:
+        self._nc.call(opname, fn, *args, deadline=deadline, timeout=timeout, **kwargs)
+
+    def _copy(self, dst: int, src: int, nbytes: int, s: int) -> None:
+        if dst != src and nbytes:
+            self._rt.memcpy_async(dst, src, nbytes, s)
+
+    # ---- collectives ------------------------------------------------------------------------
+
+    def all_reduce(self, x: Any, op: ReduceOp, *, timeout: float, stream: Any = None) -> None:
+        plan = reduce_plan(op, x.dtype, "all_reduce")
+        deadline = time.monotonic() + timeout
+        with self._rt.using_device(self.device):
+            s = self._begin("all_reduce", stream, timeout, (x,))
+            keep = None
+            if x.count and plan.native:
+                buf = self._buf(x.ptr, x.count * plan.factor, plan.dtype)
+                self._run("all_reduce", self._nc.comm.allreduce, buf, buf, plan.op, stream=s,
+                          deadline=deadline, timeout=timeout)
+            elif x.count:  # all-gather every rank's x, then reduce the slots locally
+                n = x.count * plan.factor
+                keep = self._rt.alloc_device(self.size * x.nbytes, s)
+                self._run("all_reduce", self._nc.comm.allgather, self._buf(x.ptr, n, plan.dtype),
+                          self._buf(keep.ptr, self.size * n, plan.dtype), stream=s,
+                          deadline=deadline, timeout=timeout)
+                self._rt.reduce_slots(op.value, keep.ptr, x.ptr, self.size, x.count, x.dtype, s)
+            self._end("all_reduce", s, deadline, timeout, (x, keep))
+
+    def broadcast(self, x: Any, root: int, *, timeout: float, stream: Any = None) -> None:
+        deadline = time.monotonic() + timeout
+        with self._rt.using_device(self.device):
+            s = self._begin("broadcast", stream, timeout, (x,))
+            if x.count:
+                w = wire(x.dtype)
+                buf = self._buf(x.ptr, x.count * w.factor, w.dtype)
+                self._run("broadcast", self._nc.comm.broadcast, buf, buf, root, stream=s,
+                          deadline=deadline, timeout=timeout)
+            self._end("broadcast", s, deadline, timeout, x)
+
+    def reduce(self, x: Any, root: int, op: ReduceOp, *, timeout: float,
+               stream: Any = None) -> None:
+        plan = reduce_plan(op, x.dtype, "reduce")
+        deadline = time.monotonic() + timeout
+        with self._rt.using_device(self.device):
+            s = self._begin("reduce", stream, timeout, (x,))
+            keep = None
+            if x.count and plan.native:
+                buf = self._buf(x.ptr, x.count * plan.factor, plan.dtype)
+                self._run("reduce", self._nc.comm.reduce, buf, buf, plan.op, root, stream=s,
+                          deadline=deadline, timeout=timeout)
+            elif x.count:  # gather every rank's x on root, which reduces the slots locally
+                if self.rank == root:
+                    keep = self._rt.alloc_device(self.size * x.nbytes, s)
+                self._gather_to(x, keep.ptr if keep is not None else 0, root, s, "reduce",
+                                deadline, timeout)
+                if keep is not None:
+                    self._rt.reduce_slots(op.value, keep.ptr, x.ptr, self.size, x.count,
+                                          x.dtype, s)
+            self._end("reduce", s, deadline, timeout, (x, keep))
+
+    def all_gather(self, x: Any, out: Any, *, timeout: float, stream: Any = None) -> None:
+        deadline = time.monotonic() + timeout
+        with self._rt.using_device(self.device):
+            s = self._begin("all_gather", stream, timeout, (x, out))
+            if x.count:
+                w = wire(x.dtype)
+                n = x.count * w.factor
+                self._run("all_gather", self._nc.comm.allgather, self._buf(x.ptr, n, w.dtype),
+                          self._buf(out.ptr, self.size * n, w.dtype), stream=s,
+                          deadline=deadline, timeout=timeout)
+            self._end("all_gather", s, deadline, timeout, (x, out))
+
+    def reduce_scatter(self, x: Any, out: Any, op: ReduceOp, *, timeout: float,
+                       stream: Any = None) -> None:
+        plan = reduce_plan(op, x.dtype, "reduce_scatter")
+        deadline = time.monotonic() + timeout
+        with self._rt.using_device(self.device):
+            s = self._begin("reduce_scatter", stream, timeout, (x, out))
+            keep = None
+            n = out.count * plan.factor
+            if out.count and plan.native:
+                self._run("reduce_scatter", self._nc.comm.reduce_scatter,
+                          self._buf(x.ptr, self.size * n, plan.dtype),
+                          self._buf(out.ptr, n, plan.dtype), plan.op, stream=s,
+                          deadline=deadline, timeout=timeout)
+            elif out.count:  # all-to-all brings every rank's slot `rank` here; reduce locally
+                keep = self._rt.alloc_device(x.nbytes, s)
+                self._exchange(x.ptr, keep.ptr, out.count, out.dtype, s, "reduce_scatter",
+                               deadline, timeout)
+                self._rt.reduce_slots(op.value, keep.ptr, out.ptr, self.size, out.count,
+                                      out.dtype, s)
+            self._end("reduce_scatter", s, deadline, timeout, (x, out, keep))
+
+    def gather(self, x: Any, out: Any | None, root: int, *, timeout: float,
+               stream: Any = None) -> None:
+        deadline = time.monotonic() + timeout
+        with self._rt.using_device(self.device):
+            s = self._begin("gather", stream, timeout, (x, out))
+            if x.count:
+                self._gather_to(x, out.ptr if out is not None else 0, root, s, "gather",
+                                deadline, timeout)
+            self._end("gather", s, deadline, timeout, (x, out))
+
+    def scatter(self, x: Any | None, out: Any, root: int, *, timeout: float,
+                stream: Any = None) -> None:
+        deadline = time.monotonic() + timeout
+        with self._rt.using_device(self.device):
+            s = self._begin("scatter", stream, timeout, (x, out))
+            if out.count:
+                w = wire(out.dtype)
+                n, slot = out.count * w.factor, out.nbytes
+                comm = self._nc.comm
+                if self.rank == root:
+                    calls = [(comm.send, (self._buf(x.ptr + r * slot, n, w.dtype), r),
+                              {"stream": s}) for r in range(self.size) if r != root]
+                    self._nc.group("scatter", calls, deadline=deadline, timeout=timeout)
+                    self._copy(out.ptr, x.ptr + root * slot, slot, s)
+                else:
+                    self._run("scatter", comm.recv, self._buf(out.ptr, n, w.dtype), root,
+                              stream=s, deadline=deadline, timeout=timeout)
+            self._end("scatter", s, deadline, timeout, (x, out))
+
+    def all_to_all(self, x: Any, out: Any, *, timeout: float, stream: Any = None) -> None:
+        deadline = time.monotonic() + timeout
+        with self._rt.using_device(self.device):
+            s = self._begin("all_to_all", stream, timeout, (x, out))
+            n = out.count // self.size
+            if n:
+                self._exchange(x.ptr, out.ptr, n, out.dtype, s, "all_to_all", deadline,
+                               timeout)
+            self._end("all_to_all", s, deadline, timeout, (x, out))
+
+    def send(self, x: Any, dst: int, *, timeout: float, stream: Any = None) -> None:
+        self._p2p("send", self._nc.comm.send, x, dst, timeout, stream)
+
+    def recv(self, x: Any, src: int, *, timeout: float, stream: Any = None) -> None:
+        self._p2p("recv", self._nc.comm.recv, x, src, timeout, stream)
+
+    def _p2p(self, opname: str, fn: Callable, x: Any, peer: int, timeout: float,
+             stream: Any) -> None:
+        deadline = time.monotonic() + timeout
+        with self._rt.using_device(self.device):
+            s = self._begin(opname, stream, timeout, (x,))
+            if x.count:
+                w = wire(x.dtype)
+                self._run(opname, fn, self._buf(x.ptr, x.count * w.factor, w.dtype), peer,
+                          stream=s, deadline=deadline, timeout=timeout)
+            self._end(opname, s, deadline, timeout, x)
+
+    def barrier(self, *, timeout: float) -> None:
+        """All ranks reach this point: a one-element all-reduce on the current stream, then
+        the host waits for it (after earlier work on that stream), within ``timeout``."""
+        deadline = time.monotonic() + timeout
+        with self._rt.using_device(self.device):
+            s = self._begin("barrier", None, timeout, ())
+            if self._scratch is None:
+                self._scratch = self._rt.alloc_device(4, s)
+            buf = self._buf(self._scratch.ptr, 1, _INT32)
+            self._run("barrier", self._nc.comm.allreduce, buf, buf, 0, stream=s,
+                      deadline=deadline, timeout=timeout)  # ncclSum
+            self._end("barrier", s, deadline, timeout, None)
+        EventWork(self, self._last).synchronize()
+
+    # ---- grouped helpers ----------------------------------------------------------------
+
+    def _gather_to(self, x: Any, out_ptr: int, root: int, s: int, opname: str,
+                   deadline: float, timeout: float) -> None:
+        """Rank r's ``x`` lands in slot r of ``out_ptr`` on ``root`` (grouped recvs there)."""
+        w = wire(x.dtype)
+        n, comm = x.count * w.factor, self._nc.comm
+        if self.rank != root:
+            self._run(opname, comm.send, self._buf(x.ptr, n, w.dtype), root, stream=s,
+                      deadline=deadline, timeout=timeout)
+            return
+        calls = [(comm.recv, (self._buf(out_ptr + r * x.nbytes, n, w.dtype), r), {"stream": s})
+                 for r in range(self.size) if r != root]
+        self._nc.group(opname, calls, deadline=deadline, timeout=timeout)
+        self._copy(out_ptr + root * x.nbytes, x.ptr, x.nbytes, s)
+
+    def _exchange(self, src: int, dst: int, n: int, dtype: Any, s: int, opname: str,
+                  deadline: float, timeout: float) -> None:
+        """All-to-all of ``n``-element slots: dst slot j = rank j's src slot ``rank``."""
+        w = wire(dtype)
+        slot, count, comm = n * dtype.itemsize, n * w.factor, self._nc.comm
+        calls = []
+        for r in range(self.size):
+            if r != self.rank:
+                calls.append((comm.send, (self._buf(src + r * slot, count, w.dtype), r),
+                              {"stream": s}))
+                calls.append((comm.recv, (self._buf(dst + r * slot, count, w.dtype), r),
+                              {"stream": s}))
+        self._nc.group(opname, calls, deadline=deadline, timeout=timeout)
+        self._copy(dst + self.rank * slot, src + self.rank * slot, slot, s)
+
+    # ---- async, lifecycle -------------------------------------------------------------------
+
+    def run_async(self, call: Callable[[], None], *, stream: Any = None) -> EventWork:
+        """Enqueue ``call`` (every call records its event) and return its Work."""
+        self._last = None
+        call()
+        if self._last is None:
+            raise GpucollError(f"rank {self.rank}: the call enqueued nothing on the nccl "
+                               "backend")
+        return EventWork(self, self._last)
+
+    def run_sync(self, call: Callable[[], None]) -> None:
+        call()  # NCCL calls on one communicator are already ordered by their streams
+
+    def split(self, store: Any, rank: int | None, size: int, color: int | None, key: int,
+              *, timeout: float) -> NcclBackend | None:
+        """ncclCommSplit, once this rank's earlier work has completed (NCCL requires that no
+        work be outstanding). ``color`` is the group's index among the colours (the
+        communicator's agreement made it so) and ``rank`` the NCCL key."""
+        deadline = time.monotonic() + timeout
+        self.raise_failure()
+        self._drain("split", deadline, timeout)
+        liveness = Liveness.of(store, rank, size) if rank is not None else None
+        with self._rt.using_device(self.device):
+            made = self._nc.split("split", color, rank, size, deadline=deadline,
+                                  timeout=timeout, liveness=liveness)
+        if made is None:
+            return None
+        return NcclBackend(store, rank, size, timeout=timeout, device=self.device, _driver=made)
+
+    def _drain(self, opname: str, deadline: float, timeout: float) -> None:
+        """Wait for the last call's event (earlier ones complete before it), by ``deadline``."""
+        last = self._last
+        if last is not None and not EventWork(self, last)._wait(_left(deadline)):
+            raise self._nc.fail(CollectiveTimeout(
+                f"{opname} on rank {self.rank} of {self.size}: earlier work ({last.opname}) did "
+                f"not complete within {timeout:g} s; the NCCL communicator was aborted"))
+
+    def failure(self) -> GpucollError | None:
+        return self._nc.failure
+
+    def raise_failure(self) -> None:
+        """Raise why this backend stopped working, if it did."""
+        if self._nc.failure is not None:
+            raise copy.copy(self._nc.failure)
+        if self._closed:
+            raise GpucollError(f"nccl backend on rank {self.rank} is closed")
+
+    def _check_async(self, opname: str) -> None:
+        """The watchdog's look at NCCL's asynchronous error."""
+        status = self._nc.async_error(opname)
+        if status not in (SUCCESS, IN_PROGRESS):
+            raise failure(status, opname, self.rank, self.size)
+
+    def _fail(self, exc: GpucollError) -> None:
+        """Record the first failure and abort the NCCL communicator (between calls)."""
+        pending = self._watchdog.clear()
+        self._nc.fail(exc)
+        for p in pending:  # an aborted kernel may still be winding down
+            cuda.hold(p.event, p.keep)
+
+    def expire(self, pending: Pending) -> None:
+        """``pending`` missed its deadline: fail the backend, unless it failed already."""
+        if self._nc.failure is None and not pending.event.done:
+            self._fail(self._watchdog.expired(pending))
+
+    def abort(self, reason: str | GpucollError) -> None:
+        self._fail(reason if isinstance(reason, GpucollError) else GpucollError(
+            f"nccl backend on rank {self.rank} aborted: {reason}"))
+
+    def close(self) -> None:
+        """Wait (within the deadline) for enqueued work, then finalize and destroy the
+        communicator; after an abort or a timeout, return at once."""
+        if self._closed:
+            return
+        last = self._last
+        if self._nc.failure is None and last is not None:
+            try:
+                EventWork(self, last)._wait(None)
+            except GpucollError:
+                pass
+        self._closed = True
+        self._watchdog.close()
+        with self._rt.using_device(self.device):
+            self._nc.close(time.monotonic() + self.timeout)
+        self._last = self._scratch = None
+
+
+def _left(deadline: float) -> float:
+    return max(deadline - time.monotonic(), 0.0)

@@ -1,0 +1,233 @@
+"""One nccl4py communicator, driven so that no NCCL call blocks past its deadline.
+
+The communicator is non-blocking (``NCCLConfig(blocking=False)``, NCCL >= 2.14): init, split,
+finalize and any call that must first connect to its peers return at once with the communicator
+"in progress", and NCCL finishes them in the background. ``settle`` polls ``get_async_error``
+until the communicator is ready again; when NCCL reports an error, the deadline passes or a peer
+is found gone in the store, it aborts the communicator and raises an error naming the op and the
+rank (``NcclFailure``, ``CollectiveTimeout``, ``PeerFailure``). This is NCCL's documented
+recipe for fault tolerance; a blocking communicator would instead hang the host inside the call.
+
+NCCL allows no other call on a communicator while it is in progress, and ``abort`` frees it. So
+every call, and the one abort, take one lock: an abort from another thread (the watchdog, or a
+second thread found inside a call) waits until no call is inside NCCL, happens once, and every
+later call raises the failure that caused it.
+"""
+
+from __future__ import annotations
+
+import copy
+import threading
+import time
+from collections.abc import Callable
+from typing import Any
+
+from gpucoll.errors import CollectiveTimeout, GpucollError, NcclFailure, PeerFailure
+
+# ncclResult_t (nccl.h)
+RESULT_NAMES = {
+    0: "ncclSuccess", 1: "ncclUnhandledCudaError", 2: "ncclSystemError",
+    3: "ncclInternalError", 4: "ncclInvalidArgument", 5: "ncclInvalidUsage",
+    6: "ncclRemoteError", 7: "ncclInProgress", 8: "ncclTimeout",
+}
+SUCCESS, REMOTE_ERROR, IN_PROGRESS, TIMEOUT = 0, 6, 7, 8
+LOOK_EVERY = 0.5  # seconds between looks at the store for peers that are gone, while settling
+
+
+def failure(status: int | None, opname: str, rank: int, size: int,
+            detail: str = "") -> GpucollError:
+    """The gpucoll error for NCCL result ``status`` of ``opname`` on ``rank``."""
+    what = RESULT_NAMES.get(status, f"status {status}") if status is not None else "refused"
+    message = f"{opname} on rank {rank} of {size}: NCCL failed ({what})"
+    if detail:
+        message += f": {detail}"
+    if status == REMOTE_ERROR:
+        return PeerFailure(message)
+    if status == TIMEOUT:
+        return CollectiveTimeout(message)
+    return NcclFailure(message, status)
+
+
+def translate(exc: BaseException, opname: str, rank: int, size: int) -> GpucollError:
+    """The gpucoll error for an exception of nccl4py (``NCCLError`` carries ``status``;
+    ``NcclInvalid``, its own argument check, has none)."""
+    return failure(getattr(exc, "status", None), opname, rank, size, str(exc))
+
+
+class Driver:
+    """A non-blocking nccl4py ``Communicator`` (``comm``) of ``size`` ranks; ``nc`` is the
+    ``nccl.core`` module it came from. ``liveness`` (may be None) tells which peers are gone."""
+
+    def __init__(self, nc: Any, comm: Any, rank: int, size: int, liveness: Any):
+        self.nc, self.comm = nc, comm
+        self.rank, self.size = rank, size
+        self.liveness = liveness
+        self.diagnose: Callable[[], str] | None = None  # where the ranks are, for a timeout
+        self._lock = threading.Lock()
+        self.failure: GpucollError | None = None
+        self._freed = False  # aborted or destroyed: the handle must not be used again
+
+    @classmethod
+    def create(cls, nc: Any, size: int, rank: int, uid: bytes, *, deadline: float,
+               timeout: float, liveness: Any, diagnose: Callable[[], str] | None = None
+               ) -> Driver:
+        """``ncclCommInitRankConfig`` on the current device, settled by ``deadline``."""
+        config = nc.NCCLConfig(blocking=False)
+        try:
+            comm = nc.Communicator.init(size, rank, nc.UniqueId.from_bytes(uid), config=config)
+        except Exception as exc:  # noqa: BLE001 - nccl4py's and NCCL's errors alike
+            raise translate(exc, "NCCL start-up", rank, size) from exc
+        driver = cls(nc, comm, rank, size, liveness)
+        driver.settle("NCCL start-up", deadline, timeout, diagnose)
+        return driver
+
+    # ---- calls --------------------------------------------------------------------------
+
+    def call(self, opname: str, fn: Callable, *args: Any, deadline: float, timeout: float,
+             **kwargs: Any) -> None:
+        """``fn(*args, **kwargs)``, a method of the communicator, then ``settle``."""
+        with self._lock:
+            self._usable(opname)
+            try:
+                fn(*args, **kwargs)
+            except Exception as exc:  # noqa: BLE001
+                raise self._refused(exc, opname) from exc
+            if int(self.comm.get_async_error()) == SUCCESS:  # the usual case: enqueued
+                return
+        self.settle(opname, deadline, timeout)
+
+    def group(self, opname: str, calls: list[tuple[Callable, tuple, dict]], *, deadline: float,
+              timeout: float) -> None:
+        """Several calls as one NCCL group (send/recv that must progress together)."""
+        with self._lock:
+            self._usable(opname)
+            try:
+                self.nc.group_start()
+                try:
+                    for fn, args, kwargs in calls:
+                        fn(*args, **kwargs)
+                finally:
+                    self.nc.group_end()
+            except Exception as exc:  # noqa: BLE001
+                raise self._refused(exc, opname) from exc
+        self.settle(opname, deadline, timeout)
+
+    def settle(self, opname: str, deadline: float, timeout: float,
+               diagnose: Callable[[], str] | None = None) -> None:
+        """Wait until the communicator is no longer in progress (NCCL forbids any other call
+        until then); abort and raise when it fails, the deadline passes or a peer is gone."""
+        delay, look = 0.00005, time.monotonic() + LOOK_EVERY
+        while True:
+            status = self.async_error(opname)
+            if status == SUCCESS:
+                return
+            if status != IN_PROGRESS:
+                raise self.fail(failure(status, opname, self.rank, self.size))
+            now = time.monotonic()
+            if now >= look and self.liveness is not None:
+                look = now + LOOK_EVERY
+                try:
+                    self.liveness.check(opname)
+                except PeerFailure as exc:
+                    raise self.fail(exc) from None
+            if now > deadline:
+                diagnose = diagnose or self.diagnose
+                why = f"; {diagnose()}" if diagnose is not None else ""
+                raise self.fail(CollectiveTimeout(
+                    f"{opname} on rank {self.rank} of {self.size} did not complete within "
+                    f"{timeout:g} s (NCCL was still connecting to its peers){why}; the NCCL "
+                    f"communicator was aborted"))
+            time.sleep(delay)
+            delay = min(delay * 2, 0.005)
+
+    def async_error(self, opname: str) -> int:
+        """``ncclCommGetAsyncError``: SUCCESS, IN_PROGRESS or an error code; raises the
+        failure once the communicator was aborted."""
+        with self._lock:
+            self._usable(opname)
+            return int(self.comm.get_async_error())
+
+    def split(self, opname: str, color: int | None, rank: int | None, size: int, *,
+              deadline: float, timeout: float, liveness: Any) -> Driver | None:
+        """``ncclCommSplit`` (collective over this communicator, which must have no work
+        outstanding): the new communicator, where this rank is ``rank`` of ``size`` (its
+        key), or None for ``color`` None."""
+        with self._lock:
+            self._usable(opname)
+            try:
+                child = self.comm.split(color, 0 if rank is None else rank)
+            except Exception as exc:  # noqa: BLE001
+                raise self._refused(exc, opname) from exc
+        self.settle(opname, deadline, timeout)
+        if color is None or rank is None or not child.is_valid:
+            return None
+        made = Driver(self.nc, child, rank, size, liveness)
+        made.settle(opname, deadline, timeout)
+        return made
+
+    # ---- failure and the end ------------------------------------------------------------
+
+    def fail(self, exc: GpucollError) -> GpucollError:
+        """Record the first failure and abort the communicator (once, between calls); returns
+        the failure to raise (the first one, when this is a later one)."""
+        with self._lock:
+            if self.failure is None:
+                self.failure = exc
+            if not self._freed:
+                self._freed = True
+                try:
+                    self.comm.abort()
+                except Exception:  # noqa: BLE001 - the failure recorded above is what matters
+                    pass
+            return self.failure
+
+    def close(self, deadline: float) -> None:
+        """Finalize (collective: waits, within ``deadline``, for the peers' own close) and
+        destroy; abort instead after a failure, or when finalize is refused or does not
+        settle. Never raises."""
+        with self._lock:
+            if self._freed:
+                return
+            try:
+                self.comm.finalize()
+            except Exception:  # noqa: BLE001 - destroy would finalize again, blocking: abort
+                refused = True
+            else:
+                refused = False
+        if refused:
+            self.fail(GpucollError(f"close on rank {self.rank}: NCCL refused to finalize"))
+            return
+        try:
+            self.settle("close", deadline, max(deadline - time.monotonic(), 0.0))
+        except GpucollError:
+            return  # settle aborted the communicator
+        with self._lock:
+            if not self._freed:
+                self._freed = True
+                try:
+                    self.comm.destroy()
+                except Exception:  # noqa: BLE001 - closing never raises
+                    pass
+
+    def _usable(self, opname: str) -> None:
+        """Raise (a copy of) the failure that ended this communicator, if any (lock held)."""
+        if self._freed:
+            raise copy.copy(self.failure) if self.failure is not None else GpucollError(
+                f"{opname} on rank {self.rank} of {self.size}: the NCCL communicator is closed")
+
+    def _refused(self, exc: BaseException, opname: str) -> GpucollError:
+        """An NCCL call raised at once (lock held): nothing was enqueued. An error of NCCL's
+        own ends the communicator; nccl4py's argument check (no status) does not."""
+        err = translate(exc, opname, self.rank, self.size)
+        if getattr(exc, "status", None) is None:
+            return err
+        if self.failure is None:
+            self.failure = err
+        if not self._freed:
+            self._freed = True
+            try:
+                self.comm.abort()
+            except Exception:  # noqa: BLE001
+                pass
+        return self.failure
+

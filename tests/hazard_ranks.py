@@ -1,0 +1,263 @@
+"""Rank bodies for the GPU-hazard tests (``test_gpu_hazards.py``), each in a spawned process on
+the emulation: ranks that never come or die at NCCL's start-up, at a first connection, at a
+split or during a call; the watchdog against a call inside NCCL; strided write-backs; colours;
+ranks that share a GPU; zero-size arrays; avg."""
+
+from __future__ import annotations
+
+import os
+
+import numpy as np
+from nccl_emulation import EmulatedRuntime, FakeDeviceArray
+from nccl_ranks import check_reduced, emulated
+
+from gpucoll import cuda
+from gpucoll.backends.nccl import NcclBackend, boot
+from gpucoll.default import create
+from gpucoll.errors import CollectiveTimeout, GpucollError, PeerFailure
+from gpucoll.store import PrefixStore, TCPStore, parse_address
+from gpucoll.store.gather import Liveness
+
+
+def _store(addr: str) -> TCPStore:
+    return TCPStore(*parse_address(addr), timeout=30)
+
+
+def _only_the_store_steps(store: TCPStore, rank: int, n: int) -> None:
+    """What a rank does of NCCL's start-up before it enters NCCL: arrive, read the id."""
+    ns = PrefixStore("g/", store)
+    liveness = Liveness.of(ns, rank, n)
+    boot.arrive(ns, rank, n, 30, liveness)
+    boot.share_unique_id(ns, rank, None, 30, liveness)
+
+
+def start_up_without_a_peer(rank: int, n: int, addr: str, dies: bool) -> str:
+    """Rank 1 passes the store steps of start-up, then never enters NCCL (or dies): rank 0's
+    start-up fails within its deadline and names it."""
+    rt = EmulatedRuntime(addr)
+    cuda.set_runtime(rt)
+    store = _store(addr)
+    try:
+        if rank == 1:
+            _only_the_store_steps(store, rank, n)
+            if dies:
+                os._exit(0)
+            store.get("test/done", timeout=30)
+            return ""
+        try:
+            NcclBackend(PrefixStore("g/", store), 0, n, timeout=1.5)
+        except (CollectiveTimeout, PeerFailure) as exc:
+            return f"{type(exc).__name__}: {exc}"
+        raise AssertionError("start-up without rank 1 succeeded")
+    finally:
+        if rank == 0:
+            store.set("test/done", "1")
+        store.close()
+        rt.close()
+
+
+def first_call_without_a_peer(rank: int, n: int, addr: str, dies: bool) -> str:
+    """The communicator is made; rank 1 never makes the first collective (or dies): rank 0's
+    first call, which must connect to its peers, fails within its deadline naming rank 1."""
+    rt = EmulatedRuntime(addr)
+    cuda.set_runtime(rt)
+    store = _store(addr)
+    comm = create("nccl", rank=rank, world_size=n, store=addr, timeout=30)
+    try:
+        if rank == 1:
+            if dies:
+                os._exit(0)
+            store.get("test/done", timeout=30)
+            return ""
+        x = FakeDeviceArray(np.ones(4, np.float32), rt)
+        try:
+            comm.all_reduce(x, timeout=1.5)
+        except (CollectiveTimeout, PeerFailure) as exc:
+            return f"{type(exc).__name__}: {exc}"
+        raise AssertionError("a first collective without rank 1 completed")
+    finally:
+        if rank == 0:
+            store.set("test/done", "1")
+        comm.close()
+        store.close()
+        rt.close()
+
+
+def split_without_a_peer(rank: int, n: int, addr: str) -> str:
+    """Rank 1 never enters the NCCL split: rank 0's split fails within its deadline."""
+    rt = EmulatedRuntime(addr)
+    cuda.set_runtime(rt)
+    store = _store(addr)
+    comm = create("nccl", rank=rank, world_size=n, store=addr, timeout=30)
+    try:
+        if rank == 1:
+            store.get("test/done", timeout=30)
+            return ""
+        sub_store = PrefixStore("sub/", store)
+        try:
+            comm._backend.split(sub_store, 0, 1, 0, 0, timeout=1.5)
+        except (CollectiveTimeout, PeerFailure) as exc:
+            return f"{type(exc).__name__}: {exc}"
+        raise AssertionError("a split without rank 1 completed")
+    finally:
+        if rank == 0:
+            store.set("test/done", "1")
+        comm.close()
+        store.close()
+        rt.close()
+
+
+def peer_dies_during_a_call(rank: int, n: int, addr: str) -> str:
+    """Connected ranks; rank 1 dies instead of joining an all_reduce: rank 0 learns it from the
+    store (a PeerFailure naming rank 1), long before the call's 30 s deadline."""
+    with emulated(addr, rank, n) as (rt, comm):
+        x = FakeDeviceArray(np.ones(4, np.float32), rt)
+        comm.barrier()
+        if rank == 1:
+            os._exit(0)
+        try:
+            comm.all_reduce(x, async_op=True, timeout=30).synchronize()
+        except PeerFailure as exc:
+            return str(exc)
+        raise AssertionError("an all_reduce without rank 1 completed")
+
+
+def watchdog_against_a_call_inside_nccl(rank: int, n: int, addr: str) -> str:
+    """An async all_reduce misses its 0.5 s deadline while the caller is in its next call (a
+    first send, which must connect to rank 1, who never receives). The watchdog must not free
+    the communicator under that call: the emulation reports an abort under a call as misuse."""
+    with emulated(addr, rank, n) as (rt, comm):
+        store = _store(addr)
+        try:
+            x = FakeDeviceArray(np.ones(4, np.float32), rt)
+            comm.barrier()
+            if rank == 1:
+                store.get("test/done", timeout=30)
+                return ""
+            comm.all_reduce(x, async_op=True, timeout=0.5)
+            try:
+                comm.send(x, 1, timeout=20)
+            except GpucollError as exc:
+                return f"{type(exc).__name__}: {exc}"
+            raise AssertionError("a send nobody received completed")
+        finally:
+            if rank == 0:
+                store.set("test/done", "1")
+            store.close()
+
+
+def strided_write_back(rank: int, n: int, addr: str) -> list:
+    """A strided x is reduced through a contiguous stand-in on stream s; the stand-in is copied
+    back on s after the call, and outlives that copy, though the caller keeps no reference to
+    it and the pool hands a freed block out at once."""
+    with emulated(addr, rank, n) as (rt, comm):
+        s = rt.new_stream()
+        big = FakeDeviceArray(np.arange(8, dtype=np.float64) + 10 * rank, rt)
+        x = big[::2]  # elements 0, 2, 4, 6: strided
+        with rt.paused():
+            work = comm.all_reduce(x, async_op=True, stream=s)
+            decoy = FakeDeviceArray(np.full(4, -1.0), rt)  # a freed stand-in's block, if any
+        work.synchronize()
+        got = big.get(stream=s)
+        del decoy
+        base = np.arange(8, dtype=np.float64)
+        want = base + 10 * rank
+        want[::2] = sum(base[::2] + 10 * r for r in range(n))
+        np.testing.assert_array_equal(got, want)
+        return got.tolist()
+
+
+def colours(rank: int, n: int, addr: str, backend: str, colour: int) -> tuple:
+    """Every rank passes ``colour``: one group of all ranks, whatever int it is."""
+    rt = EmulatedRuntime(addr)
+    cuda.set_runtime(rt)
+    comm = create(backend, rank=rank, world_size=n, store=addr, timeout=30)
+    try:
+        sub = comm.split(colour, key=-rank)
+        if sub is None:
+            return (None, None)
+        x = np.array([rank], np.int64) if backend == "ring" else \
+            FakeDeviceArray(np.array([rank], np.int64), rt)
+        sub.all_reduce(x)
+        total = int(x[0]) if backend == "ring" else int(x.get()[0])
+        result = (sub.rank, sub.size, total)
+        sub.close()
+        return result
+    finally:
+        comm.close()
+        rt.close()
+        cuda.set_runtime(None)
+
+
+def auto_on_one_gpu(rank: int, n: int, addr: str) -> tuple:
+    """``backend="auto"`` with every rank on the one GPU of its machine."""
+    rt = EmulatedRuntime(addr, devices=1)
+    cuda.set_runtime(rt)
+    comm = create("auto", rank=rank, world_size=n, store=addr, timeout=30)
+    try:
+        if comm.backend == "nccl":
+            x = FakeDeviceArray(np.array([rank + 1.0]), rt)
+            comm.all_reduce(x)
+            total = float(x.get()[0])
+        else:
+            x = np.array([rank + 1.0])
+            comm.all_reduce(x)
+            total = float(x[0])
+        return comm.backend, comm.backend_reason, total
+    finally:
+        comm.close()
+        rt.close()
+        cuda.set_runtime(None)
+
+
+ZERO_SIZE_OPS = ("sum", "bxor", "max")
+
+
+def zero_size(rank: int, n: int, addr: str) -> list:
+    """Every collective on zero-size device arrays (NULL pointers, as CuPy's), including the
+    reductions NCCL lacks (an all-gather and a local reduction)."""
+    with emulated(addr, rank, n) as (rt, comm):
+        shapes = []
+        for op, dtype in (("sum", np.float32), ("bxor", np.int32), ("sum", np.int16)):
+            x = FakeDeviceArray(np.zeros(0, dtype), rt)
+            assert x.ptr == 0
+            comm.all_reduce(x, op=op)
+            comm.reduce(x, root=0, op=op)
+            comm.broadcast(x, root=0)
+            shapes.append(comm.all_gather(x).shape)
+            shapes.append(comm.reduce_scatter(FakeDeviceArray(np.zeros((n, 0), dtype), rt),
+                                              op=op).shape)
+            shapes.append(comm.all_to_all(FakeDeviceArray(np.zeros((n, 0), dtype), rt)).shape)
+            got = comm.gather(x, root=0)
+            shapes.append(None if got is None else got.shape)
+            src = FakeDeviceArray(np.zeros((n, 0), dtype), rt) if rank == 0 else None
+            shapes.append(comm.scatter(src, root=0).shape)
+        if rank == 0:
+            comm.send(FakeDeviceArray(np.zeros(0, np.float32), rt), 1)
+        elif rank == 1:
+            comm.recv(FakeDeviceArray(np.zeros(0, np.float32), rt), 0)
+        comm.barrier()
+        return shapes
+
+
+def avg_values(rank: int, n: int, addr: str, backend: str, dtype_name: str) -> list:
+    """avg of values where a premultiply by fl(1/n) and a sum divided by n round differently,
+    within ``avg_rtol`` of the exact mean on every backend; returns what came out."""
+    from gpucoll.arrays import dtype_from_name
+
+    dtype = dtype_from_name(dtype_name)
+    parts = [np.array([1.0, 2.0, 7.0, 11.0, 100.0, 0.1], np.float64).astype(dtype) * (r + 1)
+             for r in range(n)]
+    if backend == "ring":
+        comm = create("ring", rank=rank, world_size=n, store=addr, timeout=30)
+        with comm:
+            x = parts[rank].copy()
+            comm.all_reduce(x, op="avg")
+            check_reduced(x, "avg", parts, f"ring avg {dtype_name}")
+            return x.astype(np.float64).tolist()
+    with emulated(addr, rank, n) as (rt, comm):
+        x = FakeDeviceArray(parts[rank], rt)
+        comm.all_reduce(x, op="avg")
+        got = x.get()
+        check_reduced(got, "avg", parts, f"nccl avg {dtype_name}")
+        return got.astype(np.float64).tolist()

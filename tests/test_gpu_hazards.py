@@ -1,0 +1,363 @@
+"""What a GPU does to careless code, checked through the emulation: one or more tests per defect
+of the GPU path (hangs, stream order and lifetimes, the current device, aborting, interop, split,
+``auto`` on a shared GPU, zero-size arrays, the staged ring's pipeline, avg, NCCL's result codes
+and CUDA graph capture). The Work contract has its own file (``test_work_contract.py``)."""
+
+from __future__ import annotations
+
+import re
+import threading
+
+import hazard_ranks
+import numpy as np
+import pytest
+from multiproc import spawn
+from nccl_emulation import EmulatedRuntime, FakeDeviceArray
+
+from gpucoll import cuda
+from gpucoll.arrays import as_ref
+from gpucoll.backends.nccl.driver import TIMEOUT
+from gpucoll.backends.staged import StagedBackend
+from gpucoll.default import create
+from gpucoll.errors import CollectiveTimeout, UsageError
+from gpucoll.ops import ReduceOp
+
+pytestmark = pytest.mark.timeout(120)
+
+
+@pytest.fixture
+def rt(store_addr):
+    runtime = EmulatedRuntime(store_addr, devices=2, hang_timeout=10)
+    with cuda.use_runtime(runtime):
+        yield runtime
+    runtime.close()
+
+
+@pytest.fixture
+def solo(rt, store_addr):
+    """A one-rank NCCL communicator on device 0 of the emulation."""
+    comm = create("nccl", rank=0, world_size=1, store=store_addr, timeout=10)
+    yield comm
+    comm.close()
+    assert rt.misuse == []
+
+
+def dev(rt, values, **kw):
+    return FakeDeviceArray(np.asarray(values), rt, **kw)
+
+
+# ---- 1. no call hangs: a missing or dead peer is an error naming it, within the deadline -----
+
+@pytest.mark.parametrize("dies", [False, True], ids=["never-enters", "dies"])
+def test_start_up_without_a_peer_in_nccl_fails_within_the_deadline_naming_it(store_addr, dies):
+    message = spawn(hazard_ranks.start_up_without_a_peer, 2, store_addr, dies, timeout=60,
+                    check=not dies)
+    message = message[0] if not dies else message[0].value
+    if dies:
+        assert message.startswith("PeerFailure: rank 1 died during NCCL start-up"), message
+    else:
+        assert message.startswith("CollectiveTimeout: NCCL start-up on rank 0 of 2 did not "
+                                  "complete within 1.5 s"), message
+        assert "rank 1 never entered it" in message
+
+
+@pytest.mark.parametrize("dies", [False, True], ids=["never-comes", "dies"])
+def test_a_first_call_without_its_peer_fails_in_the_call_within_the_deadline(store_addr, dies):
+    outcomes = spawn(hazard_ranks.first_call_without_a_peer, 2, store_addr, dies, timeout=60,
+                     check=False)
+    message = outcomes[0].value
+    assert outcomes[0].ok, outcomes[0].trace
+    if dies:
+        assert message.startswith("PeerFailure: rank 1 died during all_reduce on rank 0 of 2")
+    else:
+        assert message.startswith("CollectiveTimeout: all_reduce on rank 0 of 2 did not "
+                                  "complete within 1.5 s (NCCL was still connecting"), message
+        assert "rank 1 is behind, before its first collective" in message
+
+
+def test_a_split_whose_peer_never_enters_fails_within_the_deadline(store_addr):
+    message = spawn(hazard_ranks.split_without_a_peer, 2, store_addr, timeout=60)[0]
+    assert message.startswith("CollectiveTimeout: split on rank 0 of 2 did not complete "
+                              "within 1.5 s"), message
+
+
+def test_a_peer_that_dies_during_a_call_is_named_long_before_the_deadline(store_addr):
+    outcomes = spawn(hazard_ranks.peer_dies_during_a_call, 2, store_addr, timeout=60,
+                     check=False)
+    assert outcomes[0].ok, outcomes[0].trace
+    assert outcomes[0].value.startswith("rank 1 died during all_reduce on rank 0 of 2")
+
+
+# ---- 2. stream order and buffer lifetimes ------------------------------------------------
+
+def test_stream_argument_is_ordered_after_the_current_stream_that_wrote_the_data(rt, solo):
+    x = dev(rt, np.zeros(4, np.float32))
+    source = dev(rt, np.arange(4, dtype=np.float32))
+    release = rt.stall(rt.current_stream())  # the current stream is busy ...
+    rt.memcpy_async(x.ptr, source.ptr, 16, rt.current_stream())  # ... then writes x
+    s = rt.new_stream()
+    out = solo.all_gather(x, stream=s)
+    release()
+    np.testing.assert_array_equal(out.get(stream=s), [np.arange(4)])
+
+
+def test_an_input_dropped_after_an_async_call_stays_alive_until_the_call_is_done(rt, solo):
+    with rt.paused():
+        work = solo.all_gather(dev(rt, np.arange(256, dtype=np.float64)), async_op=True)
+        decoy = dev(rt, np.full(256, -1.0))  # would get the input's block if it were freed
+    out = work.wait()
+    np.testing.assert_array_equal(out.get(), [np.arange(256)])
+    assert decoy.get()[0] == -1.0
+
+
+def test_a_strided_input_is_copied_back_on_the_calls_stream_and_outlives_that_copy(store_addr):
+    got = spawn(hazard_ranks.strided_write_back, 2, store_addr, timeout=60)
+    assert got[0][::2] == [10.0, 14.0, 18.0, 22.0] and got[1][1::2] == [11.0, 13.0, 15.0, 17.0]
+
+
+# ---- 3. every call runs on the communicator's device, whatever the caller's -----------------
+
+def test_a_call_inside_another_devices_context_is_complete_only_when_its_work_is(rt, solo):
+    x = dev(rt, np.ones(4, np.float32), device=0)
+    release = rt.stall(0)  # device 0's default stream, where the call's work goes
+    with rt.using_device(1):
+        work = solo.all_reduce(x, async_op=True)
+        assert rt.current_device() == 1  # the caller's device is restored
+        assert not work.is_completed()
+        release()
+        work.synchronize()
+        assert work.is_completed()
+
+
+def test_a_call_from_another_thread_is_complete_only_when_its_work_is(rt, store_addr):
+    comm = create("nccl", rank=0, world_size=1, store=store_addr, timeout=10, device=1)
+    try:
+        with rt.using_device(1):
+            x = dev(rt, np.ones(4, np.float32))
+            release = rt.stall(0)
+        seen = []
+
+        def other_thread() -> None:  # its current device is 0
+            work = comm.all_reduce(x, async_op=True)
+            seen.append(work.is_completed())
+            release()
+            work.synchronize()
+            seen.append(work.is_completed())
+
+        t = threading.Thread(target=other_thread)
+        t.start()
+        t.join(30)
+        assert seen == [False, True]
+    finally:
+        comm.close()
+    assert rt.misuse == []
+
+
+def test_the_staged_ring_runs_on_its_arrays_device_whatever_the_callers(rt):
+    with rt.using_device(1):
+        s = rt.new_stream()
+        x = dev(rt, np.arange(6, dtype=np.float32))
+    staged = StagedBackend(_Doubler(), chunk_bytes=8)
+    staged.all_reduce(as_ref(x, "x"), ReduceOp.SUM, timeout=10, stream=s)  # from device 0
+    with rt.using_device(1):
+        np.testing.assert_array_equal(x.get(stream=s), np.arange(6) * 2)
+
+
+# ---- 4. abort once, from a point where no call is inside NCCL ---------------------------------
+
+def test_the_watchdog_never_aborts_the_communicator_under_a_call(store_addr):
+    message = spawn(hazard_ranks.watchdog_against_a_call_inside_nccl, 2, store_addr,
+                    timeout=60)[0]
+    assert message.startswith("CollectiveTimeout: all_reduce on rank 0 of 2 did not complete "
+                              "within 0.5 s"), message
+
+
+def test_a_failed_communicator_is_aborted_exactly_once_however_often_it_is_ended(rt, solo):
+    release = rt.stall(0)
+    work = solo.all_reduce(dev(rt, np.ones(2, np.float32)), async_op=True, timeout=0.3)
+    with pytest.raises(CollectiveTimeout):
+        work.synchronize()
+    solo._backend.abort("and again")
+    nccl_comm = solo._backend._nc.comm
+    solo.close()
+    release()
+    assert nccl_comm.abort_calls == 1
+
+
+# ---- 6. interop: the device a rank picks --------------------------------------------------
+
+LAUNCHERS = {
+    "gpucoll": {"GPUCOLL_RANK": "5", "GPUCOLL_WORLD_SIZE": "8", "GPUCOLL_LOCAL_RANK": "1",
+                "GPUCOLL_LOCAL_WORLD_SIZE": "4"},
+    "torchrun": {"RANK": "5", "WORLD_SIZE": "8", "LOCAL_RANK": "1", "LOCAL_WORLD_SIZE": "4"},
+    "openmpi": {"OMPI_COMM_WORLD_RANK": "5", "OMPI_COMM_WORLD_SIZE": "8",
+                "OMPI_COMM_WORLD_LOCAL_RANK": "1", "OMPI_COMM_WORLD_LOCAL_SIZE": "4"},
+    "mpich": {"PMI_RANK": "5", "PMI_SIZE": "8", "MPI_LOCALRANKID": "1", "MPI_LOCALNRANKS": "4"},
+    "slurm": {"SLURM_PROCID": "5", "SLURM_NTASKS": "8", "SLURM_LOCALID": "1",
+              "SLURM_TASKS_PER_NODE": "4(x2)", "SLURM_NODEID": "1"},
+}
+
+
+@pytest.mark.parametrize("launcher", sorted(LAUNCHERS))
+def test_the_device_a_rank_picks_is_the_local_rank_it_reports(rt, monkeypatch, launcher):
+    from gpucoll import rendezvous
+    from gpucoll.backends.nccl.boot import pick_device
+
+    for var in [v for env in LAUNCHERS.values() for v in env] + ["GPUCOLL_STORE"]:
+        monkeypatch.delenv(var, raising=False)
+    for var, value in LAUNCHERS[launcher].items():
+        monkeypatch.setenv(var, value)
+    monkeypatch.setenv("GPUCOLL_STORE", "tcp://127.0.0.1:1")
+    rt.devices = 8
+    assert rendezvous.from_env().local_rank == 1
+    assert pick_device(rt, 5, None) == 1
+
+
+# ---- 7. split: outstanding work, one meaning of colour ----------------------------------------
+
+def test_split_waits_for_this_ranks_outstanding_work_before_nccl_splits(rt, solo):
+    release = rt.stall(0)
+    work = solo.all_reduce(dev(rt, np.ones(8, np.float32)), async_op=True)  # outstanding
+    backend, split = solo._backend, solo._backend.split
+
+    def split_then_let_the_device_go(*args, **kwargs):
+        release()  # the work completes only once the split has begun
+        return split(*args, **kwargs)
+
+    backend.split = split_then_let_the_device_go
+    sub = solo.split(0)
+    assert work.is_completed()
+    sub.close()
+    assert rt.misuse == []  # the emulation reports a split with work outstanding
+
+
+@pytest.mark.parametrize("backend", ["ring", "nccl"])
+@pytest.mark.parametrize("colour", [-1, 2**31, 2**40, -2**40])
+def test_any_int_is_a_colour_on_every_backend(store_addr, backend, colour):
+    got = spawn(hazard_ranks.colours, 2, store_addr, backend, colour, timeout=60)
+    assert got == [(1, 2, 1), (0, 2, 1)]  # key=-rank: rank 1 first
+
+
+# ---- 8. auto and ranks that share a GPU ---------------------------------------------------
+
+def test_auto_picks_the_ring_for_ranks_that_would_share_a_gpu_and_says_why(store_addr,
+                                                                            monkeypatch):
+    monkeypatch.delenv("NCCL_MULTI_RANK_GPU_ENABLE", raising=False)
+    got = spawn(hazard_ranks.auto_on_one_gpu, 2, store_addr, timeout=60,
+                env={"GPUCOLL_BACKEND": "", "NCCL_MULTI_RANK_GPU_ENABLE": ""})
+    for name, reason, total in got:
+        assert (name, total) == ("ring", 3.0)
+        assert "ranks 0, 1 would share GPU" in reason
+        assert "NCCL_MULTI_RANK_GPU_ENABLE=1" in reason
+
+
+def test_auto_picks_nccl_for_ranks_sharing_a_gpu_where_nccl_allows_it(store_addr):
+    got = spawn(hazard_ranks.auto_on_one_gpu, 2, store_addr, timeout=60,
+                env={"GPUCOLL_BACKEND": "", "NCCL_MULTI_RANK_GPU_ENABLE": "1"})
+    assert [(name, total) for name, _, total in got] == [("nccl", 3.0)] * 2
+
+
+# ---- 9. zero-size arrays --------------------------------------------------------------------
+
+def test_every_collective_takes_zero_size_device_arrays(store_addr):
+    shapes = spawn(hazard_ranks.zero_size, 2, store_addr, timeout=60)
+    assert shapes[0] == [(2, 0), (0,), (2, 0), (2, 0), (0,)] * 3
+    assert shapes[1] == [(2, 0), (0,), (2, 0), None, (0,)] * 3
+
+
+# ---- 10. the staged ring: copies overlap the ring, pinned memory outlives its copies ----------
+
+class _Doubler:
+    """A one-rank host backend whose all_reduce doubles; ``on_chunk(k)`` runs at chunk k."""
+
+    name, rank, size = "ring", 0, 1
+
+    def __init__(self, on_chunk=None):
+        self.chunks = 0
+        self.on_chunk = on_chunk
+
+    def all_reduce(self, x, op, *, timeout):
+        if self.on_chunk is not None:
+            self.on_chunk(self.chunks)
+        self.chunks += 1
+        np.multiply(x.host, 2, out=x.host)
+
+    def all_gather(self, x, out, *, timeout):
+        out.host[...] = x.host
+
+
+def test_the_ring_works_on_the_next_chunk_while_a_chunks_copy_back_is_queued(rt):
+    releases = []
+
+    def on_chunk(k: int) -> None:
+        if k == 0:  # the device is busy from here on: chunk 0's copy back waits
+            releases.append(rt.stall(rt.current_stream()))
+        if k == 1:  # reached while chunk 0's copy back is still queued
+            releases.pop()()
+
+    staged = StagedBackend(_Doubler(on_chunk), chunk_bytes=16)
+    x = dev(rt, np.arange(12, dtype=np.float32))  # 3 chunks of 4
+    staged.all_reduce(as_ref(x, "x"), ReduceOp.SUM, timeout=5)
+    np.testing.assert_array_equal(x.get(), np.arange(12) * 2)
+    assert rt.misuse == []
+
+
+def test_pinned_buffers_outlive_the_copies_that_still_read_them(rt):
+    s1 = rt.new_stream()
+    releases = []
+    staged = StagedBackend(_Doubler(lambda k: releases.append(rt.stall(s1)) if k == 0 else None),
+                           chunk_bytes=1 << 20)
+    x1 = dev(rt, np.arange(16, dtype=np.float32))
+    staged.all_reduce(as_ref(x1, "x"), ReduceOp.SUM, timeout=5, stream=s1)  # copy back queued
+    staged.inner.on_chunk = None
+    x2 = dev(rt, np.full(64, 7.0, np.float32))  # larger: new pinned buffers replace the pair
+    staged.all_reduce(as_ref(x2, "x"), ReduceOp.SUM, timeout=5)
+    x3 = dev(rt, np.full(16, -5.0, np.float32))  # staged whole: new pinned buffers again
+    out3 = dev(rt, np.zeros(16, np.float32))
+    staged.all_gather(as_ref(x3, "x"), as_ref(out3, "out"), timeout=5)
+    releases.pop()()
+    np.testing.assert_array_equal(x1.get(stream=s1), np.arange(16) * 2)
+    np.testing.assert_array_equal(x2.get(), np.full(64, 14.0))
+    np.testing.assert_array_equal(out3.get(), np.full(16, -5.0))
+
+
+# ---- 11. avg: what each backend computes, at the tolerance that follows -----------------------
+
+@pytest.mark.parametrize("dtype", ["float16", "bfloat16", "float32", "float64"])
+@pytest.mark.parametrize("backend", ["nccl", "ring"])
+def test_avg_is_within_the_derived_tolerance_of_the_exact_mean(store_addr, backend, dtype):
+    got = spawn(hazard_ranks.avg_values, 3, store_addr, backend, dtype, timeout=60)
+    assert got[0] == got[1] == got[2]
+
+
+def test_the_gpu_docs_say_what_avg_computes_on_each_backend_and_the_tolerance():
+    import pathlib
+
+    text = (pathlib.Path(__file__).resolve().parents[1] / "docs" / "gpus.md").read_text()
+    section = text[text.index("### avg"):]
+    assert "fl(1/n)" in section and "then divided" in section
+    assert "(n + 1)" in section and "eps" in section
+
+
+# ---- 12. NCCL's result codes; CUDA graph capture ----------------------------------------------
+
+def test_an_asynchronous_ncclTimeout_is_a_collective_timeout_naming_it(rt, solo):
+    release = rt.stall(0)
+    work = solo.all_reduce(dev(rt, np.ones(2, np.float32)), async_op=True)
+    solo._backend._nc.comm.inject_error(TIMEOUT)
+    with pytest.raises(CollectiveTimeout, match=re.escape("all_reduce on rank 0 of 1: NCCL "
+                                                          "failed (ncclTimeout)")):
+        work.synchronize(timeout=20)
+    release()
+
+
+def test_a_collective_on_a_capturing_stream_is_refused_before_anything_is_enqueued(rt, solo):
+    s = rt.new_stream()
+    x = dev(rt, np.ones(2, np.float32))
+    with rt.capturing(s), pytest.raises(UsageError, match="capturing a CUDA graph"):
+        solo.all_reduce(x, stream=s)
+    assert solo._backend._nc.comm.calls == []
+    staged = StagedBackend(_Doubler())
+    with rt.capturing(s), pytest.raises(UsageError, match="capturing a CUDA graph"):
+        staged.all_reduce(as_ref(x, "x"), ReduceOp.SUM, timeout=5, stream=s)
+    assert staged.inner.chunks == 0
