@@ -2,7 +2,8 @@
 in order, and agree on who is left even when another rank dies during the shrink.
 
 Every case runs real ranks (the spawn helper) on the host ring, on both transports where the
-transport matters, and checks the new group by using it.
+transport matters, and on the NCCL backend over the emulation of nccl4py, and checks the new
+group by using it.
 """
 
 from __future__ import annotations
@@ -211,97 +212,146 @@ def test_shrinking_a_whole_group_keeps_every_rank(store_addr):
         {"rank": r, "size": 3, "olds": [0, 1, 2], "sum": 3.0} for r in range(3)]
 
 
-# -- the NCCL backend (on the emulation of NCCL the NCCL tests use) ------------------------------
+# -- the NCCL backend (on the emulation of nccl4py the NCCL tests use) --------------------------
 
-def _nccl_rank_dies(rank, n, addr):
-    """Rank 2 dies; once its will says so, the others shrink, and the new group, a new NCCL
-    communicator (CuPy's binding has no ncclCommShrink), computes on device arrays."""
-    from nccl_emulation import EmulatedRuntime, FakeDeviceArray
+def _nccl_rank(rank, n, addr, victims, how, kill_after_vote):
+    """Ranks ``victims`` die (SIGKILL) after a first all_reduce; the others' next call fails,
+    they shrink, and the new group computes on device arrays. Returns what the survivor saw:
+    its new place, the sum, how each communicator of its shrunk group was made (nccl4py's
+    ``Communicator.init`` or ``shrink``), whether the old one was revoked, and its aborts.
+
+    ``how``: "native" (nccl4py with revoke and shrink), "no-shrink" (a binding without them),
+    "one-aborted" (rank 0's old communicator aborted, the others' revoked).
+    ``kill_after_vote``: a rank that dies in the shrink itself, once it has voted on how."""
+    from nccl_emulation import EmulatedRuntime, FakeDeviceArray, without_shrink
 
     from gpucoll import cuda
+    from gpucoll.backends.nccl import backend as nccl_backend
     from gpucoll.default import create
 
     rt = EmulatedRuntime(addr)
+    if how == "no-shrink":
+        without_shrink(rt)
     cuda.set_runtime(rt)
     comm = create("nccl", rank=rank, world_size=n, store=addr, timeout=LONG)
+    new = None
     try:
         x = FakeDeviceArray(np.ones(4, np.float32), rt)
         comm.all_reduce(x)
         rt.synchronize()
-        if rank == 2:
+        side = _side(addr)
+        side.set(f"test/done/{rank}", "1")
+        if rank in victims:
+            side.wait([f"test/done/{r}" for r in range(n)], timeout=LONG)
             os.kill(os.getpid(), signal.SIGKILL)
-        _side(addr).wait([f"{SLOT}/gone/2"], timeout=LONG)
+        with pytest.raises(PeerFailure):
+            comm.all_reduce(x, async_op=True).synchronize()
+        old = comm._backend._nc
+        if how == "one-aborted" and rank == 0:
+            old.fail(old.failure, free=True)
+        if rank == kill_after_vote:
+            share = nccl_backend.share
+
+            def vote_then_die(*args, **kwargs):
+                votes = share(*args, **kwargs)
+                os.kill(os.getpid(), signal.SIGKILL)
+                return votes
+
+            nccl_backend.share = vote_then_die
         new = comm.shrink()
-        y = FakeDeviceArray(np.full(4, rank + 1, np.float32), rt)
+        y = FakeDeviceArray(np.full(4, float(rank + 1), np.float32), rt)
         new.all_reduce(y)
         rt.synchronize()
-        result = (new.backend, new.rank, new.size, y.get().tolist())
-        new.close()
-        return result
+        made = [new._backend._nc.comm.made_by]
+        assert rt.misuse == [], rt.misuse
+        return {"rank": new.rank, "size": new.size, "sum": y.get().tolist(), "made": made,
+                "revoked": old.comm.revoked}
     finally:
+        if new is not None:
+            new.close()
         comm.close()
         rt.close()
         cuda.set_runtime(None)
 
 
-def test_nccl_survivors_without_ncclcommshrink_start_a_new_communicator(store_addr):
-    outcomes = spawn(_nccl_rank_dies, 3, store_addr, check=False)
-    assert outcomes[2].exitcode == -signal.SIGKILL
-    assert [o.value for o in outcomes[:2]] == [("nccl", r, 2, [3.0] * 4) for r in range(2)], \
-        outcomes
+def _sum(olds):
+    return [float(sum(r + 1 for r in olds))] * 4
 
 
-class _ShrinkableComm:
-    """An NCCL communicator whose binding has ncclCommShrink (as nccl4py's does): it records
-    the call and returns the new communicator."""
-
-    def __init__(self, calls: list):
-        self.calls = calls
-
-    def shrink(self, excluded, *rest):
-        self.calls.append(("shrink", list(excluded), rest))
-        return _ShrinkableComm(self.calls)
-
-    def check_async_error(self):
-        pass
-
-    def abort(self):
-        self.calls.append(("abort",))
-
-    def destroy(self):
-        self.calls.append(("destroy",))
+def test_nccl_survivors_shrink_their_revoked_communicator_with_ncclcommshrink(store_addr):
+    """Rank 1 of 3 dies: each survivor's failed communicator was revoked (not aborted), and
+    the survivors exclude rank 1 from it with ncclCommShrink."""
+    outcomes = spawn(_nccl_rank, 3, store_addr, (1,), "native", None, check=False)
+    assert outcomes[1].exitcode == -signal.SIGKILL
+    assert [o.value for o in (outcomes[0], outcomes[2])] == [
+        {"rank": i, "size": 2, "sum": _sum([0, 2]), "made": ["shrink"], "revoked": True}
+        for i in range(2)], outcomes
 
 
-def _nccl_native_shrink(rank, n, addr, dead):
-    from nccl_emulation import EmulatedRuntime
-
-    from gpucoll import cuda
-    from gpucoll.backends.nccl import NcclBackend
-    from gpucoll.store import PrefixStore
-
-    rt = EmulatedRuntime(addr)
-    cuda.set_runtime(rt)
-    calls: list = []
-    try:
-        store = _side(addr)
-        old = NcclBackend(PrefixStore("old", store), rank, n, timeout=LONG,
-                          _comm=_ShrinkableComm(calls))
-        members = [r for r in range(n) if r != dead]
-        new = old.shrink(PrefixStore("new", store), members, timeout=LONG)
-        shape = (new.rank, new.size)
-        new.close()
-        old.close()
-        return shape, calls
-    finally:
-        rt.close()
-        cuda.set_runtime(None)
+def test_nccl_survivors_without_revoke_or_shrink_start_a_new_communicator(store_addr):
+    outcomes = spawn(_nccl_rank, 3, store_addr, (2,), "no-shrink", None, check=False)
+    assert [o.value for o in outcomes[:2]] == [
+        {"rank": i, "size": 2, "sum": _sum([0, 1]), "made": ["init"], "revoked": False}
+        for i in range(2)], outcomes
 
 
-def test_nccl_survivors_whose_binding_can_shrink_call_ncclcommshrink(store_addr):
-    """Ranks 0 and 2 of 3 survive rank 1 with communicators still usable: they exclude it with
-    ncclCommShrink rather than start a new communicator."""
-    outcomes = spawn(_nccl_native_shrink, 3, store_addr, 1, check=False)
-    for r, new_rank in ((0, 0), (2, 1)):
-        shape, calls = outcomes[r].value
-        assert shape == (new_rank, 2)
-        assert calls[0] == ("shrink", [1], ())
+def test_nccl_survivors_all_start_a_new_communicator_when_one_of_them_cannot_shrink(
+        store_addr):
+    """Rank 0's old communicator is aborted (it cannot shrink), the others' are revoked (they
+    could): they vote, and every survivor takes the same way, a new communicator."""
+    outcomes = spawn(_nccl_rank, 4, store_addr, (3,), "one-aborted", None, check=False)
+    assert [o.value["made"] for o in outcomes[:3]] == [["init"]] * 3, outcomes
+    assert [o.value["sum"] for o in outcomes[:3]] == [_sum([0, 1, 2])] * 3
+
+
+def test_nccl_survivors_agree_again_when_a_member_dies_inside_ncclcommshrink(store_addr):
+    """Rank 3 dies; rank 2 votes for ncclCommShrink with the others, then dies before it
+    shrinks: the others' shrink fails alike, they agree again without rank 2, and (their old
+    communicators now aborted) start a new one."""
+    outcomes = spawn(_nccl_rank, 4, store_addr, (3,), "native", 2, check=False)
+    assert [o.exitcode for o in outcomes[2:]] == [-signal.SIGKILL] * 2, outcomes
+    assert [o.value for o in outcomes[:2]] == [
+        {"rank": i, "size": 2, "sum": _sum([0, 1]), "made": ["init"], "revoked": True}
+        for i in range(2)], outcomes
+
+
+def _nccl_nobody_lost(rank, n, addr):
+    from nccl_emulation import FakeDeviceArray
+    from nccl_ranks import emulated
+
+    with emulated(addr, rank, n, timeout=LONG) as (rt, comm):
+        comm.all_reduce(FakeDeviceArray(np.ones(2, np.float32), rt))
+        with comm.shrink() as new:
+            y = FakeDeviceArray(np.full(2, float(rank + 1), np.float32), rt)
+            new.all_reduce(y)
+            rt.synchronize()
+            return new.rank, new.size, y.get().tolist(), new._backend._nc.comm.made_by
+
+
+def test_nccl_shrinking_a_healthy_group_keeps_every_rank_through_ncclcommshrink(store_addr):
+    """No failure: the earlier work is drained first (NCCL_SHRINK_DEFAULT needs nothing in
+    flight), the emulation sees no misuse."""
+    assert spawn(_nccl_nobody_lost, 2, store_addr) == [
+        (r, 2, [3.0, 3.0], "shrink") for r in range(2)]
+
+
+def _library(version):
+    from types import SimpleNamespace
+
+    lib = None if version is None else SimpleNamespace(version=version)
+    return SimpleNamespace(get_version=lambda: SimpleNamespace(libnccl=lib))
+
+
+@pytest.mark.parametrize("version, call, able", [
+    ("2.26.5", "shrink", False), ("2.27.3", "shrink", True), ("2.27.3", "revoke", False),
+    ("2.28.3", "revoke", True), ("2.32.3", "shrink", True), (None, "shrink", False)])
+def test_nccl_shrink_and_revoke_are_used_only_where_the_library_has_them(version, call, able):
+    """nccl4py has every method whatever NCCL library it loaded; an older library refuses the
+    call only when it is made, so the library's version decides (no library: neither)."""
+    from types import SimpleNamespace
+
+    from gpucoll.backends.nccl.driver import supports
+
+    comm = SimpleNamespace(shrink=None, revoke=None)
+    assert supports(_library(version), comm, call) is able
+    assert supports(_library("2.32.3"), SimpleNamespace(), call) is False
