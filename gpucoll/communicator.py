@@ -8,6 +8,10 @@ on every message, so ranks that disagree are caught). Sync calls run on the call
 calls with ``async_op=True`` return a ``Work`` and complete in issue order, except non-blocking
 sends and receives, which progress side by side.
 
+Every call also gets an entry in the communicator's flight recorder (``gpucoll.recorder``), which
+``gpucoll.dumps`` writes out when the group fails, on SIGUSR1, or when ``gpucoll doctor`` asks.
+After a lost rank, ``shrink()`` makes a communicator of the survivors.
+
 A communicator serves one thread at a time, in the process that made it: a call from a second
 thread while another is inside a call, or any call in a forked child, raises ``UsageError`` (the
 first also aborts the communicator on every rank, since the two threads' calls could pair with
@@ -20,10 +24,12 @@ their input (all_reduce, broadcast, reduce, recv) the result is copied back into
 
 from __future__ import annotations
 
+import functools
 import json
 import os
 import struct
 import threading
+import time
 import weakref
 from collections.abc import Callable
 from typing import Any
@@ -41,6 +47,7 @@ from gpucoll.arrays import (
 )
 from gpucoll.backends.base import Backend
 from gpucoll.batch import PointToPointCalls
+from gpucoll.dumps import Flight
 from gpucoll.errors import (
     CollectiveMismatch,
     CollectiveTimeout,
@@ -55,8 +62,9 @@ from gpucoll.guard import entry as _entry
 from gpucoll.objects import ObjectCalls
 from gpucoll.outplace import OutOfPlaceCalls
 from gpucoll.progress import KIND
+from gpucoll.recorder import NO_CALL, Recorder, clock, pack, size_from_env, stream_id
 from gpucoll.signature import SignatureCheck
-from gpucoll.store.gather import Liveness, leave_group, share
+from gpucoll.store.gather import Liveness, agree_survivors, leave_group, share, wait_for_ranks
 from gpucoll.uneven import UnevenCalls
 from gpucoll.validation import VALID_OPS, Call, check_timeout
 from gpucoll.work import Work
@@ -90,6 +98,7 @@ class Communicator(OutOfPlaceCalls, UnevenCalls, ObjectCalls, PointToPointCalls,
 
     def __init__(self, backend: Backend, store: Any, *, timeout: float,
                  debug: bool | None = None, owned_store: Any = None, liveness: Any = None):
+        trace_size = size_from_env()  # first: a bad value must not leave half a communicator
         self._backend = backend
         self.rank: int = backend.rank
         self.size: int = backend.size
@@ -109,6 +118,10 @@ class Communicator(OutOfPlaceCalls, UnevenCalls, ObjectCalls, PointToPointCalls,
         self._inside = ""  # the call that thread is in (for the concurrent-use message)
         self._seq = 0  # collective calls that passed validation, the same count on every rank
         self._splits = 0
+        self._shrinks = 0
+        self._shrunk: list[Communicator] = []  # groups shrunk from this one
+        self._parents: list[Communicator] = []  # ... and the groups this one was shrunk from
+        self._leave_pending = False  # its place in the store is kept for a shrunk group
         self._agreements = 0  # values agreed through the store so far
         self._children: list[Communicator] = []
         self._calls: dict[str, Call] = {}
@@ -116,6 +129,9 @@ class Communicator(OutOfPlaceCalls, UnevenCalls, ObjectCalls, PointToPointCalls,
             debug_enabled() if debug is None else debug) else None
         # the lean path of the common calls on NumPy arrays (not under the debug check)
         self._lean_backend = backend.lean if self._check is None else None
+        self._recorder = Recorder(trace_size)  # the last calls, for dumps and the doctor
+        self._keep = self._recorder.keep
+        self._flight = Flight(self._recorder, store, self.rank, self.size, backend)
         _LIVE.add(self)
 
     # -- reductions, in place ---------------------------------------------------------------
@@ -320,6 +336,7 @@ class Communicator(OutOfPlaceCalls, UnevenCalls, ObjectCalls, PointToPointCalls,
         check = self._pair_signature(c, ref, dst, sending=True)
         b = self._backend
         if async_op and check is None:
+            self._recorder.posted()  # its end is the Work's, which the recorder does not see
             return b.isend(ref, dst, timeout=t, stream=stream).bind(None, c.where)
         return self._issue(c, None, lambda: b.send(ref, dst, timeout=t, stream=stream),
                            None, async_op, stream, check=check, timeout=t)
@@ -337,6 +354,7 @@ class Communicator(OutOfPlaceCalls, UnevenCalls, ObjectCalls, PointToPointCalls,
         check = self._pair_signature(c, ref, src, sending=False)
         b = self._backend
         if async_op and check is None and ref.array is x:
+            self._recorder.posted()  # its end is the Work's, which the recorder does not see
             return b.irecv(ref, src, timeout=t, stream=stream).bind(x, c.where)
         return self._issue(c, None, lambda: b.recv(ref, src, timeout=t, stream=stream),
                            x, async_op, stream, ref, x, check=check, timeout=t)
@@ -389,7 +407,76 @@ class Communicator(OutOfPlaceCalls, UnevenCalls, ObjectCalls, PointToPointCalls,
         sub = Communicator(made[0], sub_store, timeout=self.timeout,
                            debug=self._check is not None)
         sub._backend_reason = f"split from a {self.backend} communicator: {self.backend_reason}"
+        sub._flight.family = self._flight.family
         self._children = [child for child in self._children if not child.closed] + [sub]
+        return sub
+
+    @_entry
+    def shrink(self, *, timeout: float | None = None) -> Communicator:
+        """A communicator of the ranks of this group that are still alive, renumbered in order
+        (rank i of the new group is the i-th survivor): the way to carry on after a
+        PeerFailure. Collective over the survivors; any of them may call it first.
+
+        The survivors agree through the store on who is left (a rank whose will says it died or
+        closed is out; one that has not called ``shrink`` by the deadline is out too, and
+        raises PeerFailure when it does); if another rank dies while the new group forms, they
+        agree again without it. ``timeout`` bounds the wait for the survivors, and then again
+        the forming of the new group. Needs the store to outlive the lost ranks (``gpucoll
+        run``'s store lives in the launcher). This communicator stays as it was: close it when
+        done; its place in the store is kept until the shrunk group closes.
+        """
+        c = self._call("shrink")
+        t = c.timeout(timeout, self.timeout)
+        if self._liveness is None:
+            raise UsageError(f"{c.where}: shrink needs a store that keeps wills (a TCPStore "
+                             f"or PrefixStore of one), to tell the dead ranks from the living")
+        epoch = self._shrinks
+        self._shrinks += 1
+        for attempt in range(self.size):
+            name = f"shrink/{epoch}/{attempt}"
+            members = self._in_store(functools.partial(
+                agree_survivors, self._store, self.rank, self.size, self._liveness, t,
+                attempt=name, what=c.where))
+            sub = self._shrunk_group(c, name, members, time.monotonic() + t)
+            if sub is not None:
+                return sub
+        raise PeerFailure(f"{c.where}: every attempt to shrink the group lost another rank")
+
+    def _shrunk_group(self, c: Call, name: str, members: list[int],
+                      deadline: float) -> Communicator | None:
+        """The group of ``members`` in namespace ``name``, or None when a member died while it
+        formed (every member sees that alike: the group is complete only once every member
+        says it is ready)."""
+        rank, size = members.index(self.rank), len(members)
+        space = _prefix(f"{name}/group", self._store)
+        live = Liveness(space, rank, size, earlier=(self._store, members))
+        made = None
+        try:
+            made = self._backend.shrink(space, members, liveness=live,
+                                        timeout=max(deadline - time.monotonic(), 0.0))
+            space.set(f"ready/{rank}", b"1")
+            wait_for_ranks(space, [f"ready/{r}" for r in range(size)],
+                           max(deadline - time.monotonic(), 0.0), what=f"{c.where} (forming "
+                           f"the group of ranks {members})", rank=rank, liveness=live)
+        except PeerFailure:
+            if made is not None:
+                made.abort("a member died while the shrunk group formed")
+                made.close()
+            live.leave()
+            return None
+        except BaseException:
+            if made is not None:
+                made.abort("shrink failed")
+                made.close()
+            live.leave()
+            raise
+        sub = Communicator(made, space, timeout=self.timeout, debug=self._check is not None,
+                           liveness=live)
+        sub._backend_reason = f"shrunk from a {self.backend} communicator: {self.backend_reason}"
+        sub._flight.family = self._flight.family
+        sub._owned_store, self._owned_store = self._owned_store, None
+        sub._parents.append(self)
+        self._shrunk.append(sub)
         return sub
 
     @property
@@ -431,11 +518,26 @@ class Communicator(OutOfPlaceCalls, UnevenCalls, ObjectCalls, PointToPointCalls,
             except GpucollError:
                 pass  # the failed call already reported it; closing must still succeed
             self._backend.close()
+        except GpucollError as exc:
+            self._flight.failed(exc)
+            raise
         finally:
-            if self._store is not None:  # never raises; the last rank out deletes the keys
-                leave_group(self._store, self.rank, self.size)
+            self._flight.close()
+            self._leave()
             if self._owned_store is not None:
                 self._owned_store.close()
+
+    def _leave(self) -> None:
+        """Leave the group's place in the store (never raises; the last rank out deletes its
+        keys), unless a group shrunk from this one still lives there: it leaves for both."""
+        if any(not sub.closed for sub in self._shrunk):
+            self._leave_pending = True
+        elif self._store is not None:
+            leave_group(self._store, self.rank, self.size)
+        for parent in self._parents:
+            if parent._leave_pending and not any(not s.closed for s in parent._shrunk):
+                parent._leave_pending = False
+                parent._leave()
 
     def __enter__(self) -> Communicator:
         return self
@@ -458,8 +560,8 @@ class Communicator(OutOfPlaceCalls, UnevenCalls, ObjectCalls, PointToPointCalls,
     def _lean(self, name: str, kind: int, run: Callable, x: np.ndarray, arg: Any) -> bool:
         """Run a call on a C-contiguous NumPy array whose other arguments are known good, with
         nothing of the general path's but what it must do: refuse a forked child and a second
-        thread, number the collective and mark it in the progress record. False (nothing done)
-        when the general path must run, to say what is wrong."""
+        thread, number the collective, mark it in the progress record and the flight recorder.
+        False (nothing done) when the general path must run, to say what is wrong."""
         if not x.flags.c_contiguous or self._forked or self._closed \
                 or not self._entry.acquire(False):
             return False
@@ -467,17 +569,22 @@ class Communicator(OutOfPlaceCalls, UnevenCalls, ObjectCalls, PointToPointCalls,
             self._inside = name
             seq = self._seq
             self._seq = seq + 1
+            keep = self._keep  # the flight recorder: the call as it starts, then its end
+            if kind == _ALL_REDUCE:  # arg: the op; else broadcast's root
+                keep((seq, kind, x.dtype, x.size, -1, arg, clock()))
+            else:
+                keep((seq, kind, x.dtype, x.size, arg, None, clock()))
             progress = self._progress
             progress.enter(seq, kind)
-            ok = False
             try:
                 run(x if x.ndim == 1 else x.reshape(-1), arg, seq, self.timeout)
-                ok = True
             except BaseException as exc:
-                self._abandoned(exc)
+                keep(-clock())
+                progress.leave(False)
+                self._failed(exc)
                 raise
-            finally:
-                progress.leave(ok)
+            progress.leave(True)
+            keep(clock())
         finally:
             self._entry.release()
         return True
@@ -515,45 +622,106 @@ class Communicator(OutOfPlaceCalls, UnevenCalls, ObjectCalls, PointToPointCalls,
                async_op: bool, stream: Any, staged: ArrayRef | None = None, target: Any = None,
                check: Callable[[float], None] | None = None, timeout: float = 0.0) -> Any:
         """Run ``call`` now (sync) or in issue order (async), marked in the progress record as
-        collective ``seq``; copy a contiguous stand-in of a strided ``target`` back into it
-        afterwards; run a debug ``check`` first."""
+        collective ``seq`` (None: a send or receive); copy a contiguous stand-in of a strided
+        ``target`` back into it afterwards; run a debug ``check`` first."""
         if check is not None or (staged is not None and staged.array is not target):
             call = _wrapped(call, check, timeout, staged, target, stream)
-        if seq is not None:
-            call = self._tracked(seq, KIND[c.name], call)
+        rec = self._recorder
+        if rec.current is NO_CALL:  # a call that kept no signature (an object's send)
+            rec.current = (-1 if seq is None else seq, KIND.get(c.name, 0), -1, -1, -1, -1,
+                           -1, 0)
+        if stream is not None:
+            rec.on_stream(stream_id(stream))
         if async_op:
+            call = self._queued(seq, 0 if seq is None else KIND[c.name], call, rec.issued())
+            rec.current = NO_CALL
             return self._backend.run_async(call, stream=stream).bind(result, c.where)
+        call = self._timed(call) if seq is None else self._tracked(seq, KIND[c.name], call)
+        rec.current = NO_CALL
         self._backend.run_sync(call)
         return result
 
     def _tracked(self, seq: int, kind: int, call: Callable[[], None]) -> Callable[[], None]:
-        progress = self._progress
+        """``call``, collective ``seq``, run now: marked in the progress record, its start and
+        end kept by the flight recorder; a failure that ends the group dumps the recorder."""
+        progress, keep, failed = self._progress, self._keep, self._failed
+        head = self._recorder.current
 
         def run() -> None:
+            keep(pack(*head, clock()))
             progress.enter(seq, kind)
-            ok = False
             try:
                 call()
-                ok = True
             except BaseException as exc:
-                self._abandoned(exc)
+                keep(-clock())
+                progress.leave(False)
+                failed(exc)
                 raise
-            finally:
-                progress.leave(ok)
+            progress.leave(True)
+            keep(clock())
 
         return run
 
-    def _abandoned(self, exc: BaseException) -> None:
-        """An interrupt (KeyboardInterrupt, SystemExit) left a call half done: wherever it
-        struck, the peers must not wait for the rest, so the backend is aborted (a no-op when
-        the backend already failed with it)."""
-        if not isinstance(exc, Exception):
+    def _timed(self, call: Callable[[], None]) -> Callable[[], None]:
+        """``call``, a send or receive run now, its start and end kept by the recorder."""
+        keep, flight, head = self._keep, self._flight, self._recorder.current
+
+        def run() -> None:
+            keep(pack(*head, clock()))
+            try:
+                call()
+            except BaseException as exc:
+                keep(-clock())
+                if isinstance(exc, GpucollError):
+                    flight.failed(exc)
+                raise
+            keep(clock())
+
+        return run
+
+    def _queued(self, seq: int | None, kind: int, call: Callable[[], None],
+                n: int) -> Callable[[], None]:
+        """``call``, queued as the recorder's call ``n``: as ``_tracked`` (``_timed`` for a
+        send or receive), when it runs later."""
+        progress = None if seq is None else self._progress
+        keep, flight, failed = self._keep, self._flight, self._failed
+
+        def run() -> None:
+            keep(("S", n, clock()))
+            if progress is not None:
+                progress.enter(seq, kind)
+            try:
+                call()
+            except BaseException as exc:
+                keep(("E", n, -clock()))
+                if progress is None:  # a send or receive
+                    if isinstance(exc, GpucollError):
+                        flight.failed(exc)
+                    raise
+                progress.leave(False)
+                failed(exc)
+                raise
+            if progress is not None:
+                progress.leave(True)
+            keep(("E", n, clock()))
+
+        return run
+
+    def _failed(self, exc: BaseException) -> None:
+        """A collective ended in ``exc``. A failure of the group dumps the flight recorder (on
+        its first failure only). An interrupt (KeyboardInterrupt, SystemExit) left the call half
+        done: wherever it struck, the peers must not wait for the rest, so the backend is
+        aborted (a no-op when the backend already failed with it)."""
+        if isinstance(exc, GpucollError):
+            self._flight.failed(exc)
+        elif not isinstance(exc, Exception):
             self._backend.abort(f"{type(exc).__name__} during collective #{self._seq - 1}")
 
     def _signature(self, c: Call, t: float, ref: ArrayRef | None, **fields: Any) -> int:
         """The sequence number of this collective (after the debug check, when it is on)."""
         seq = self._seq
         self._seq += 1
+        self._recorder.signature(seq, KIND.get(c.name, 0), ref, fields)
         if self._check is None:
             return seq
         sig = {"call": c.name, "dtype": None, "shape": None, **fields}
@@ -564,6 +732,7 @@ class Communicator(OutOfPlaceCalls, UnevenCalls, ObjectCalls, PointToPointCalls,
 
     def _pair_signature(self, c: Call, ref: ArrayRef, peer: int,
                         sending: bool) -> Callable[[float], None] | None:
+        self._recorder.point_to_point(KIND.get(c.name, 0), ref, peer)
         if self._check is None:
             return None
         sig = {"call": c.name, "dtype": ref.dtype.name, "shape": list(ref.shape),

@@ -9,6 +9,7 @@ from typing import Any
 from gpucoll.backends import create_backend, requested_name
 from gpucoll.communicator import Communicator
 from gpucoll.errors import CollectiveTimeout
+from gpucoll.recorder import size_from_env
 from gpucoll.validation import check_timeout
 from gpucoll.work import Work
 
@@ -46,6 +47,7 @@ def create(backend: str = "auto", *, rank: int | None = None, world_size: int | 
     name = requested_name(backend)
     timeout = _timeout(timeout)
     waiting.interval()  # a bad GPUCOLL_WAIT_LOG is an error here, before any wait
+    size_from_env()  # a bad GPUCOLL_TRACE_SIZE is an error before anything is made
     rank, world_size, base, owned = _rendezvous(rank, world_size, store, timeout)
     space = None
     try:

@@ -1,5 +1,6 @@
 """The guard on every public call of a communicator: refused in a forked child, and while
-another thread is inside a call of the same communicator.
+another thread is inside a call of the same communicator; a failure that ends the group dumps
+the flight recorder (``gpucoll.dumps``).
 
 It lives apart from ``communicator`` so that the modules adding calls to the Communicator
 (``uneven``, ``objects``, ``batch``, ``fused``, ``groups``) can guard theirs the same way.
@@ -10,6 +11,8 @@ from __future__ import annotations
 import functools
 from collections.abc import Callable
 from typing import Any
+
+from gpucoll.errors import GpucollError
 
 
 def entry(method: Callable) -> Callable:
@@ -26,6 +29,9 @@ def entry(method: Callable) -> Callable:
         self._inside = name
         try:
             return method(self, *args, **kwargs)
+        except GpucollError as exc:
+            self._flight.failed(exc)  # the flight recorder dumps on the group's first failure
+            raise
         finally:
             self._entry.release()
 

@@ -51,12 +51,14 @@ class Position:
         return 2 * self.seq + (1 if self.state == IN_CALL else 2)
 
     def where(self) -> str:
-        """``in all_reduce #17``, ``before call #18 (after all_reduce #17)``, or ``before
-        its first collective``."""
+        """``in all_reduce #17``, ``before call #18 (after all_reduce #17)``, ``in
+        all_reduce #17 (failed)``, or ``before its first collective``."""
         if self.seq < 0:
             text = "before its first collective"
         elif self.state == IN_CALL:
             text = f"in {kind_name(self.kind)} #{self.seq}"
+        elif self.state == FAILED:
+            text = f"in {kind_name(self.kind)} #{self.seq} (failed)"
         else:
             text = f"before call #{self.seq + 1} (after {kind_name(self.kind)} #{self.seq})"
         if self.p2p:

@@ -44,6 +44,9 @@ def start_up_without_a_peer(rank: int, n: int, addr: str, dies: bool) -> str:
                 os._exit(0)
             store.get("test/done", timeout=30)
             return ""
+        # the deadline is for NCCL's part: rank 1's store steps, however late on a loaded
+        # machine, must not run it out (rank 1 would then miss the unique id)
+        PrefixStore("g/", store).wait([boot.ARRIVE_KEY.format(1)], timeout=30)
         try:
             NcclBackend(PrefixStore("g/", store), 0, n, timeout=1.5)
         except (CollectiveTimeout, PeerFailure) as exc:

@@ -40,7 +40,9 @@ class Launcher:
     def __init__(self, args: list[str], cwd, env: dict[str, str] | None = None):
         self.proc = subprocess.Popen(
             [sys.executable, "-m", "gpucoll.run", *args], cwd=str(cwd),
-            env={**os.environ, **(env or {})}, stdout=subprocess.PIPE, stderr=subprocess.PIPE,
+            # the launcher's own files (flight-recorder dumps) go under the test's directory
+            env={**os.environ, "TMPDIR": str(cwd), **(env or {})}, stdout=subprocess.PIPE,
+            stderr=subprocess.PIPE,
             start_new_session=True)
         self.lines = {"stdout": queue.SimpleQueue(), "stderr": queue.SimpleQueue()}
         self.stdout: list[bytes] = []

@@ -17,6 +17,12 @@ the backend, and behaves as they say NCCL does:
   until ``abort`` ends it. ``avg`` on floating types is a premultiply by ``fl(1/n)``, then a sum.
 - ``abort`` frees the communicator: later calls raise ``NcclInvalid``; an abort while another
   thread is inside a call on it is a use after free.
+- ``revoke`` stops the work in flight and keeps the communicator: it is in progress until that
+  work has stopped, then serves only ``shrink``, ``split``, ``destroy`` and ``abort`` (any other
+  call is misuse; finalize too, as nccl.h says). ``shrink(exclude_ranks, config, flag)`` is
+  collective over the ranks not excluded (an excluded rank that calls it is misuse, and so are
+  members that exclude different ranks, or NCCL_SHRINK_DEFAULT with work outstanding);
+  NCCL_SHRINK_ABORT first stops the parent's work, as revoke does.
 - Arguments NCCL rejects raise ``NCCLError`` at the call. What would hang or corrupt memory on a
   GPU (ranks that disagree, unmatched sends, a split with work outstanding, a blocking call whose
   peers never come) is recorded in ``misuse``, which tests expect to stay empty.
@@ -43,7 +49,7 @@ from nccl.core.buffer import NcclBuffer
 from gpucoll.errors import StoreTimeout
 from gpucoll.store import TCPStore, parse_address
 
-__all__ = ["EmulatedRuntime", "FakeDeviceArray", "Misuse", "NCCLError"]
+__all__ = ["EmulatedRuntime", "FakeDeviceArray", "Misuse", "NCCLError", "without_shrink"]
 
 # nccl.h: ncclDataType_t, ncclRedOp_t and ncclResult_t, written out again here on purpose
 NCCL_TYPES = {
@@ -56,6 +62,7 @@ NCCL_OPS = {0: np.add, 1: np.multiply, 2: np.maximum, 3: np.minimum, 4: np.add}
 AVG = 4
 SUCCESS, UNHANDLED_CUDA_ERROR, INVALID_ARGUMENT, INVALID_USAGE, IN_PROGRESS = 0, 1, 4, 5, 7
 COLLECTIVES = ("allreduce", "reduce", "broadcast", "allgather", "reduce_scatter")
+MANAGING = ("shrink", "split")  # what a revoked communicator still serves (nccl.h)
 
 
 class EmulatedRuntime(CudaEmulation):
@@ -74,10 +81,23 @@ class EmulatedRuntime(CudaEmulation):
         self.store.close()
 
 
+def without_shrink(rt: EmulatedRuntime) -> None:
+    """Make ``rt``'s nccl4py one whose communicators have no ``revoke`` and no ``shrink``
+    (as an nccl4py made before NCCL had them)."""
+
+    def missing(self):
+        raise AttributeError("this binding has no such method")
+
+    module = rt.module
+    module.Communicator = type("Communicator", (module.Communicator,),
+                               {"revoke": property(missing), "shrink": property(missing)})
+
+
 class EmulatedNccl:
     """Stands in for nccl4py's ``nccl.core``."""
 
     NCCLConfig = _nc.NCCLConfig
+    CommShrinkFlag = _nc.CommShrinkFlag
     UniqueId = _nc.UniqueId
     NcclInvalid = _nc.NcclInvalid
     get_unique_id = staticmethod(_nc.get_unique_id)
@@ -159,6 +179,8 @@ class Communicator:
         self._valid = False  # a null communicator, as nccl4py's Communicator()
         self._inside: dict[int, str] = {}
         self.abort_calls = 0
+        self.revoked = False
+        self.made_by = "init"  # or "split", "shrink": how this communicator came to be
 
     @classmethod
     def init(cls, nranks: int, rank: int, unique_id: Any, config: Any = None) -> Communicator:
@@ -179,7 +201,7 @@ class Communicator:
         self._state = SUCCESS
         self._aborted = threading.Event()
         self._connected: set = set()
-        self._coll_seq = self._split_seq = 0
+        self._coll_seq = self._split_seq = self._shrink_seq = 0
         self._p2p: dict[tuple[str, int], int] = collections.defaultdict(int)
         self._outstanding = 0
         self._count_lock = threading.Lock()
@@ -270,6 +292,10 @@ class Communicator:
             raise NCCLError(INVALID_USAGE)
         if self._state != SUCCESS:
             raise NCCLError(self._state)
+        if self.revoked and name not in MANAGING:
+            self._rt.report(f"{name} on rank {self._rank} on a revoked communicator (it serves "
+                            "only shrink, split, destroy and abort)")
+            raise NCCLError(INVALID_USAGE)
         with self._inside_call(name):
             yield
 
@@ -312,9 +338,84 @@ class Communicator:
             self._valid = False
             self._aborted.set()
 
+    def revoke(self, flags: int = 0) -> None:
+        """ncclCommRevoke: the work in flight stops; in progress until it has."""
+        self._check_valid("revoke")
+        if flags != 0:
+            raise NCCLError(INVALID_ARGUMENT)
+        others = {t: n for t, n in self._inside.items() if t != threading.get_ident()}
+        if others:
+            self._rt.report(f"ncclCommRevoke on rank {self._rank} while another thread is "
+                            f"inside {', '.join(others.values())} on the same communicator")
+        self._stop_work()
+
+    def _stop_work(self) -> None:
+        """Terminate the kernels in flight (as revoke and NCCL_SHRINK_ABORT do); the
+        communicator is in progress until none is left."""
+        self.revoked = True
+        self._aborted.set()
+        self._state = IN_PROGRESS
+
+        def quiet() -> None:
+            while self._outstanding and self._valid:
+                time.sleep(0.005)
+            if self._valid and self._state == IN_PROGRESS:
+                self._state = SUCCESS
+
+        threading.Thread(target=quiet, daemon=True, name="emu-nccl-revoke").start()
+
+    def shrink(self, exclude_ranks: Any = None, config: Any = None, flag: int = 0
+               ) -> Communicator:
+        """ncclCommShrink: the members (ranks not excluded) meet and make a communicator of
+        themselves, renumbered in order."""
+        excluded = sorted({_c_int(r, "exclude_ranks") for r in (exclude_ranks or [])})
+        if any(not 0 <= r < self._size for r in excluded) or int(flag) not in (0, 1):
+            raise NCCLError(INVALID_ARGUMENT)
+        if int(flag) == 1 and self._valid and not self.revoked:  # NCCL_SHRINK_ABORT
+            self._stop_work()
+            while self._state == IN_PROGRESS and self._valid:
+                time.sleep(0.005)
+        with self._api("shrink"):
+            if self._rank in excluded:
+                self._rt.report(f"ncclCommShrink on rank {self._rank}, which it excludes "
+                                "(excluded ranks must not call it)")
+                raise NCCLError(INVALID_USAGE)
+            if int(flag) == 0 and self._outstanding:
+                self._rt.report(f"ncclCommShrink (NCCL_SHRINK_DEFAULT) on rank {self._rank} "
+                                "with work outstanding on the communicator (NCCL may deadlock)")
+            self._shrink_seq += 1
+            seq, child = self._shrink_seq, type(self)()
+            members = [r for r in range(self._size) if r not in excluded]
+            # the members meet through the child, which the parent's stopped work cannot end
+            child._valid, child._state, child._inside = True, IN_PROGRESS, {}
+            child._aborted, child.made_by = threading.Event(), "shrink"
+            child._prefix, child._rank = f"{self._prefix}/shrink/{seq}", self._rank
+            blocking = self._blocking if config is None else config.blocking is not False
+
+            def work() -> None:
+                said = child._meet("members", members, repr(excluded).encode())
+                if len(set(said)) != 1:
+                    message = (f"ncclCommShrink #{seq}: the members exclude different ranks "
+                               f"({sorted({v.decode() for v in said})})")
+                    self._rt.report(message)
+                    raise _Refused(INVALID_USAGE, message)
+                if not child._valid:  # aborted while the members met
+                    raise _Aborted
+                uid = hashlib.sha512(self._uid + f"shrink/{seq}/{excluded}".encode()).digest()
+                child._setup(len(members), members.index(self._rank), uid + uid[:64], blocking,
+                             self._device)
+                child.made_by = "shrink"
+
+            self._meanwhile("shrink", work, also=child)
+            return child
+
     def finalize(self) -> None:
         if not self._valid:
             return
+        if self.revoked:
+            self._rt.report(f"ncclCommFinalize on rank {self._rank} after ncclCommRevoke "
+                            "(nccl.h: invalid)")
+            raise NCCLError(INVALID_USAGE)
         with self._api("finalize"):
             self._meanwhile("finalize", lambda: self._meet("finalize", range(self._size)))
 

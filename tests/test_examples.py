@@ -15,7 +15,8 @@ from launch_helpers import launching
 
 EXAMPLES = os.path.join(os.path.dirname(os.path.dirname(os.path.abspath(__file__))), "examples")
 NAMES = ["quickstart", "train_mlp", "train_epochs", "normalize", "softmax_argmax",
-         "ring_allreduce", "hierarchical", "spmd"]
+         "ring_allreduce", "hierarchical", "spmd", "shrink"]
+LAUNCH_FLAGS = {"shrink": ["--keep-going"]}  # it loses a rank on purpose and carries on
 
 
 @pytest.fixture
@@ -41,7 +42,7 @@ def test_every_example_is_listed():
 
 @pytest.mark.parametrize("name", NAMES)
 def test_example_passes_its_own_check_on_4_ranks(launch, name):
-    job = launch(["-n", "4", "--timeout", "100", example(name)])
+    job = launch(["-n", "4", "--timeout", "100", *LAUNCH_FLAGS.get(name, []), example(name)])
     assert job.finish(timeout=110) == 0, job.text()
     assert "passed" in check_line(job.out(), name)
 

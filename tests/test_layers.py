@@ -2,7 +2,7 @@
 
 Data flows down, never back up::
 
-    cli (gpucoll cli, info, bench)  >  launch  >  communicator  >  backends  >  transport
+    cli (gpucoll cli, info, bench, doctor)  >  launch  >  communicator  >  backends  >  transport
       >  store (with rendezvous, the store's bootstrap)  >  leaf utilities
 
 A module may import its own layer and the layers below it. Leaf utilities (errors, ops, arrays,
@@ -32,6 +32,7 @@ LAYER_OF = {
     "gpucoll.info": "cli",
     "gpucoll.selftest": "cli",
     "gpucoll.bench": "cli",
+    "gpucoll.doctor": "cli",
     "gpucoll.launch": "launch",
     "gpucoll.run": "launch",
     "gpucoll": "communicator",  # the package root re-exports the public API
@@ -39,6 +40,7 @@ LAYER_OF = {
     "gpucoll.default": "communicator",
     "gpucoll.validation": "communicator",
     "gpucoll.signature": "communicator",
+    "gpucoll.dumps": "communicator",
     "gpucoll.guard": "communicator",
     "gpucoll.outplace": "communicator",
     "gpucoll.uneven": "communicator",
@@ -52,6 +54,7 @@ LAYER_OF = {
     "gpucoll.rendezvous": "store",
     "gpucoll.errors": "leaf",
     "gpucoll.progress": "leaf",
+    "gpucoll.recorder": "leaf",
     "gpucoll.ops": "leaf",
     "gpucoll.arrays": "leaf",
     "gpucoll.work": "leaf",

@@ -10,7 +10,7 @@ import time
 import pytest
 
 from gpucoll import PrefixStore, TCPStore
-from gpucoll.errors import CollectiveTimeout, PeerFailure
+from gpucoll.errors import CollectiveTimeout, PeerFailure, StoreTimeout
 from gpucoll.store.gather import Liveness, gather, leave_group, share, wait_for_ranks
 from tests.multiproc import spawn
 
@@ -89,6 +89,37 @@ def test_liveness_leave_never_raises_once_the_store_is_gone():
     server.close()
     live.leave()
     client.close()
+
+
+class _SliceEndsAsPeerSetsThenDies(PrefixStore):
+    """The store as rank 0 sees it while rank 1 sets its key and then dies, between the end of
+    rank 0's wait slice (a StoreTimeout) and its look at who is gone."""
+
+    def __init__(self, server):
+        super().__init__("grp", server)
+        self._server, self._raced = server, False
+
+    def wait(self, keys, timeout=None):
+        if self._raced:
+            return super().wait(keys, timeout=timeout)
+        self._raced = True
+        peer = TCPStore("127.0.0.1", self._server.port, timeout=10)
+        Liveness(PrefixStore("grp", peer), 1, 2)
+        peer.set("grp/key/1", b"v")
+        peer.close()
+        self._server.wait(["grp/gone/1"], timeout=10)
+        raise StoreTimeout("the slice ran out")
+
+
+def test_a_rank_that_set_its_key_before_it_died_does_not_fail_the_wait(store_server):
+    """Its death, seen only after its key came, is no failure of this wait (the wait has what
+    it waited for): every rank that saw the key first went on, and this one must agree."""
+    store = _SliceEndsAsPeerSetsThenDies(store_server)
+    live = Liveness(store, 0, 2)
+    store.set("key/0", b"v")
+    wait_for_ranks(store, ["key/0", "key/1"], 10, what="share", rank=0, liveness=live,
+                   poll=0.01)
+    assert live.gone() == {1: "died"}
 
 
 # ----------------------------------------------------------------------------- across processes

@@ -37,7 +37,7 @@ import abc
 from collections.abc import Callable, Sequence
 from typing import TYPE_CHECKING, Any, ClassVar
 
-from gpucoll.errors import GpucollError
+from gpucoll.errors import BackendUnavailable, GpucollError
 from gpucoll.progress import Progress
 
 if TYPE_CHECKING:
@@ -197,6 +197,14 @@ class Backend(abc.ABC):
               *, timeout: float) -> Backend | None:
         """Collective over this backend's ranks: the backend of the new group, or None for a
         rank whose ``color`` is None. ``store`` is the new group's namespace."""
+
+    def shrink(self, store: Any, members: list[int], *, timeout: float,
+               liveness: Any = None) -> Backend:
+        """Collective over ``members`` (this group's ranks that survive, ascending; this rank
+        among them): the backend of a new group of them, rank i being ``members[i]``. Runs
+        after a failure, so this backend may be aborted; ``store`` is the new group's
+        namespace and ``liveness`` names a member that dies meanwhile."""
+        raise BackendUnavailable(f"the {self.name} backend cannot shrink a group")
 
     @abc.abstractmethod
     def abort(self, reason: str | GpucollError) -> None:

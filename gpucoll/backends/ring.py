@@ -304,6 +304,17 @@ class RingBackend(GroupedRing, Backend):
         err.peer = stuck[0] if stuck else exc.peer
         return err
 
+    def peer_progress(self) -> dict[int, bytes]:
+        """The progress records of this rank's peers on its host, read from their memory
+        (as a timeout's diagnosis does; it works while a peer is stopped)."""
+        found = {}
+        for j in range(self.size):
+            if j != self.rank:
+                data = self._mesh.progress_of(j)
+                if data is not None:
+                    found[j] = data
+        return found
+
     def _unconsumed(self, peer: int, consumed: int) -> int:
         """Bytes this rank sent to ``peer`` beyond the ``consumed`` it reported at its close."""
         link = self._mesh.links[peer]
@@ -590,6 +601,13 @@ class RingBackend(GroupedRing, Backend):
             return None
         return RingBackend(store, rank, size, timeout=timeout, transport=self._transport_arg)
 
+    def shrink(self, store: Any, members: list[int], *, timeout: float,
+               liveness: Any = None) -> RingBackend:
+        """A ring of the surviving ``members``, built afresh (the old one's connections to the
+        lost rank cannot be trusted), in rank order."""
+        return RingBackend(store, members.index(self.rank), len(members), timeout=timeout,
+                           transport=self._transport_arg, liveness=liveness)
+
     def abort(self, reason: str | GpucollError) -> None:
         err = reason if isinstance(reason, GpucollError) else GpucollError(
             f"rank {self.rank} aborted: {reason}")
@@ -597,7 +615,7 @@ class RingBackend(GroupedRing, Backend):
             self._state.failure = err
         try:  # wake a call blocked in the engine; -1 once released
             os.eventfd_write(self._mesh.bell, 1)
-        except OSError:
+        except (OSError, ValueError):  # ValueError: -1, the connections are released
             pass
         self._fail(err)
 

@@ -369,6 +369,11 @@ class StagedBackend(Backend):
         sub = self.inner.split(store, rank, size, color, key, timeout=timeout)
         return None if sub is None else StagedBackend(sub, chunk_bytes=self.chunk_bytes)
 
+    def shrink(self, store: Any, members: list[int], *, timeout: float,
+               liveness: Any = None) -> Backend:
+        return StagedBackend(self.inner.shrink(store, members, timeout=timeout,
+                                               liveness=liveness), chunk_bytes=self.chunk_bytes)
+
     def abort(self, reason: str | GpucollError) -> None:
         self.inner.abort(reason)
 

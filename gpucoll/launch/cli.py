@@ -33,7 +33,12 @@ Each rank gets GPUCOLL_RANK, GPUCOLL_WORLD_SIZE, GPUCOLL_LOCAL_RANK, GPUCOLL_LOC
 GPUCOLL_STORE (the job's store, hosted by this launcher on node 0) and GPUCOLL_STORE_TOKEN, plus
 torchrun's RANK WORLD_SIZE LOCAL_RANK LOCAL_WORLD_SIZE MASTER_ADDR MASTER_PORT.
 Output lines are prefixed "[rank R] ". When a rank fails the others are stopped and the launcher
-exits with the failed rank's code (128+N for signal N); 124 when --timeout passes.
+exits with the failed rank's code (128+N for signal N); 124 when --timeout passes. With
+--keep-going the others go on; see docs/launcher.md for the exit status then.
+Ranks write their flight-recorder dumps to GPUCOLL_TRACE_DIR: the --tee directory, else the
+variable's value, else a new directory under the temporary one, named at the end if a rank
+wrote there. When --timeout passes, and when the launcher gets SIGUSR1, it runs
+`gpucoll doctor` on the job and prints the diagnosis.
 
 several nodes: on every node run
   GPUCOLL_STORE_TOKEN=<shared secret> gpucoll run -n 8 --nnodes 2 --node-rank K \\
@@ -65,7 +70,12 @@ def parser() -> argparse.ArgumentParser:
                    "several nodes, a fresh random one for one node); prefer the variable, "
                    "which other users cannot read in the process list")
     p.add_argument("--tee", metavar="DIR", help="also write each rank's output to DIR/rank-R.log")
-    p.add_argument("--timeout", type=float, metavar="S", help="stop the job after S seconds")
+    p.add_argument("--timeout", type=float, metavar="S",
+                   help="stop the job after S seconds (after asking gpucoll doctor why it "
+                   "has not finished)")
+    p.add_argument("--keep-going", action="store_true",
+                   help="when a rank dies, let the others go on (they may shrink their "
+                   "communicator) instead of stopping them")
     p.add_argument("--grace", type=float, default=5.0, metavar="S",
                    help="seconds ranks get to end on their own after a failure or signal, "
                    "and again after SIGTERM, before SIGKILL (default 5)")
@@ -124,7 +134,7 @@ def config_from(ns: argparse.Namespace, gpus: list[str] | None = None) -> Launch
         nnodes=ns.nnodes, node_rank=ns.node_rank, master_addr=ns.master_addr,
         master_port=ns.master_port, tee=ns.tee, timeout=ns.timeout, grace=ns.grace,
         device=ns.device, isolate_gpus=ns.isolate_gpus, token=token, bind=ns.bind,
-        topology=ns.topology)
+        topology=ns.topology, keep_going=ns.keep_going)
 
 
 def main(argv: list[str] | None = None) -> int:

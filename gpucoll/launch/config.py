@@ -45,6 +45,7 @@ class LaunchConfig:
     token: str | None = None
     bind: bool = False  # pin ranks to their GPU's NUMA node, export its nearest NICs
     topology: str | None = None  # a saved `nvidia-smi topo -m` for --bind instead of a probe
+    keep_going: bool = False  # a rank that dies leaves the others running
 
     @property
     def world_size(self) -> int:

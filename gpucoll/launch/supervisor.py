@@ -5,6 +5,11 @@ cause: the others get ``grace`` seconds to end on their own (they usually notice
 and print why), then SIGTERM, then after ``grace`` more SIGKILL. A signal to the launcher is
 forwarded to every rank; a second SIGINT kills them at once. ``timeout`` bounds the whole job.
 In a job of several nodes, a failure on another node stops this node's ranks the same way.
+With ``keep_going`` a rank that fails is reported and the others go on.
+
+When ``timeout`` passes, the launcher first asks ``gpucoll doctor`` where every rank is (and
+prints the answer under the ranks' output, see ``checkup``); SIGUSR1 asks it the same while the
+job runs on. The ranks write their flight-recorder dumps into the job's trace directory.
 
 Also here, in the order the loop uses them:
 
@@ -18,8 +23,9 @@ Also here, in the order the loop uses them:
   goes, unprefixed, to that rank's log file. A rank may draw a progress line straight onto the
   launcher's terminal (named to it in ``GPUCOLL_TTY``): on a terminal each line written here
   first clears the line the cursor is on, so such a bar never splits a rank's line;
-- signals to the launcher (SIGINT, SIGTERM, SIGHUP), which only post an event (``SimpleQueue.put``
-  is safe in a signal handler), so the loop decides;
+- signals to the launcher (SIGINT, SIGTERM, SIGHUP, and SIGUSR1 that asks for a diagnosis and
+  stops nothing), which only post an event (``SimpleQueue.put`` is safe in a signal handler), so
+  the loop decides;
 - how it tells what happened: exit codes, signal names, the root-cause report.
 """
 
@@ -32,15 +38,19 @@ import ctypes.util
 import dataclasses
 import os
 import queue
+import secrets
 import signal
 import subprocess
 import sys
+import tempfile
 import threading
 import time
 from collections.abc import Iterator
 from typing import BinaryIO
 
+from gpucoll.launch import checkup
 from gpucoll.launch.config import Binding, LaunchConfig, rank_env
+from gpucoll.rendezvous import store_url
 
 # ---- how the launcher tells what happened --------------------------------------------------------
 
@@ -90,6 +100,7 @@ def root_cause(rank: int, local_rank: int, node_rank: int, pid: int | None, retu
 # ---- signals to the launcher ---------------------------------------------------------------------
 
 FORWARDED = (signal.SIGINT, signal.SIGTERM, signal.SIGHUP)
+DIAGNOSE = signal.SIGUSR1
 
 
 @dataclasses.dataclass(frozen=True)
@@ -105,11 +116,12 @@ class Received:
 
 @contextlib.contextmanager
 def signals_to(events: queue.SimpleQueue) -> Iterator[None]:
-    """While active, each of :data:`FORWARDED` is put on ``events`` instead of its default."""
+    """While active, each of :data:`FORWARDED` and :data:`DIAGNOSE` is put on ``events``
+    instead of its default."""
     previous = {}
     handler = lambda signum, frame: events.put(Received(signum))
     try:
-        for sig in FORWARDED:
+        for sig in (*FORWARDED, DIAGNOSE):
             previous[sig] = signal.signal(sig, handler)
         yield
     finally:
@@ -364,6 +376,10 @@ class Job:
         self.on_failure = lambda status, reason: None  # tells the other nodes
         self.deadlines = Deadlines()
         self.start = 0.0
+        self.store_url = ""
+        self.token = ""
+        self.trace_dir = ""
+        self.diagnosis = ""  # the doctor's report when --timeout passed
 
     # ---- start -------------------------------------------------------------------------
 
@@ -371,6 +387,12 @@ class Job:
         """Start every local rank with its environment and output pumps."""
         if self.cfg.tee:
             os.makedirs(self.cfg.tee, exist_ok=True)
+        self.store_url, self.token = store_url(*store), token
+        self.trace_dir = self.cfg.tee or os.environ.get("GPUCOLL_TRACE_DIR") or ""
+        if not self.trace_dir:  # a name only: the first rank that writes a dump makes it
+            self.trace_dir = os.path.join(tempfile.gettempdir(),
+                                          f"gpucoll-run-{os.getpid()}-{secrets.token_hex(4)}")
+        checkup.clear_dumps(self.trace_dir)  # an earlier job's would mix with this one's
         self.start = time.monotonic()
         if self.cfg.timeout is not None:
             self.deadlines.job = self.start + self.cfg.timeout
@@ -381,7 +403,7 @@ class Job:
             proc = RankProcess(rank, local, RankOutput(rank, self.console, log))
             self.ranks.append(proc)
             env = {**os.environ, **rank_env(self.cfg, local, store, token, torch_port,
-                                             self.gpus)}
+                                             self.gpus), "GPUCOLL_TRACE_DIR": self.trace_dir}
             env.pop(TTY_ENV, None)  # an outer launcher's terminal is not necessarily ours
             env.update(self.console.terminal_env())
             bind = self.binds[local] if self.binds else None
@@ -410,7 +432,12 @@ class Job:
     def _handle(self, event) -> None:
         if isinstance(event, Exit):
             self.exits[event.rank] = event
-            if event.returncode != 0 and self._is_failure(event):
+            if event.returncode != 0 and self.cfg.keep_going and event.rank not in self.sent:
+                self._note(f"rank {event.rank} failed ({describe(event.returncode)}); "
+                           f"the other ranks go on (--keep-going)")
+                if self.first_failure is None:
+                    self.first_failure = event
+            elif event.returncode != 0 and self._is_failure(event):
                 self.first_failure = event
                 self._schedule_stop(term_after=self.cfg.grace)
                 self.on_failure(exit_status(event.returncode),
@@ -433,6 +460,10 @@ class Job:
                 and self.remote is None)
 
     def _on_signal(self, event: Received) -> None:
+        if event.signum == DIAGNOSE:
+            self._note(f"gpucoll run: received SIGUSR1: asking gpucoll doctor about the job\n"
+                       f"{self._checkup()}", raw=True)
+            return
         if (self.interrupt is not None and event.signum == signal.SIGINT
                 and self.interrupt.signum == signal.SIGINT):
             self._note(f"second {event.name}: killing every rank")
@@ -456,9 +487,10 @@ class Job:
             d.job = None
             if self._running():
                 self.timed_out = True
-                self._note(f"job timed out after {self.cfg.timeout:g} s; stopping ranks "
-                           f"{[p.rank for p in self._running()]}")
-                d.term = now
+                self._note(f"job timed out after {self.cfg.timeout:g} s; asking gpucoll doctor "
+                           f"why, then stopping ranks {[p.rank for p in self._running()]}")
+                self.diagnosis = self._checkup()
+                d.term = now = time.monotonic()
         if d.term is not None and now >= d.term:
             d.term = None
             self._signal_running(signal.SIGTERM)
@@ -466,6 +498,32 @@ class Job:
         if d.kill is not None and now >= d.kill:
             d.kill = None
             self._signal_running(signal.SIGKILL)
+
+    def _checkup(self) -> str:
+        """The doctor's report on this job (node 0 only: it hosts the store every rank of
+        the job answers through)."""
+        if self.cfg.node_rank != 0:
+            return "gpucoll run: the diagnosis is node 0's (its launcher hosts the job's store)"
+        return checkup.run_doctor(self.store_url, self.token, self.trace_dir, self._facts())
+
+    def _facts(self) -> dict:
+        """What the launcher knows of each of its ranks, as the doctor reads it: pid, running
+        or stopped, how a finished one ended, and the signal the launcher itself sent one (its
+        end is then the launcher's doing)."""
+        out = {}
+        wall = time.time() - time.monotonic()  # monotonic -> epoch seconds
+        for proc in self.ranks:
+            ended = self.exits.get(proc.rank)
+            if ended is not None:
+                fact = {"pid": proc.pid, "state": "exited", "returncode": ended.returncode,
+                        "how": describe(ended.returncode), "time": round(ended.time + wall, 3),
+                        "after_s": round(ended.time - self.start, 2)}
+            else:
+                fact = {"pid": proc.pid, "state": checkup.process_state(proc.pid)}
+            if proc.rank in self.sent:
+                fact["stopped_by_launcher"] = signal.Signals(self.sent[proc.rank]).name
+            out[str(proc.rank)] = fact
+        return {"ranks": out}
 
     def _running(self) -> list[RankProcess]:
         return [p for p in self.ranks if p.rank not in self.exits]
@@ -493,9 +551,13 @@ class Job:
         self.cleanup()
         if self.first_failure is not None:
             self._report_failure(self.first_failure)
+            self._point_at_dumps()
+            if self.cfg.keep_going:
+                return self._kept_going()
             return exit_status(self.first_failure.returncode)
         if self.timed_out:
             self._report_timeout()
+            self._point_at_dumps()
             return TIMEOUT_EXIT
         if self.interrupt is not None:
             self._note(f"interrupted by {self.interrupt.name}: "
@@ -512,6 +574,31 @@ class Job:
             first.rank, proc.local_rank, self.cfg.node_rank, proc.pid, first.returncode,
             first.time - self.start, proc.output.last_stderr(), others), raw=True)
 
+    def _kept_going(self) -> int:
+        """The status of a job that went on after losing ranks: the first rank that exited
+        with an error code fails it; ranks lost to a signal do not, when another finished."""
+        ended = sorted(self.exits.values(), key=lambda e: e.time)
+        coded = [e for e in ended if e.returncode > 0 and e.rank not in self.sent]
+        finished = sorted(e.rank for e in ended if e.returncode == 0)
+        lost = sorted(e.rank for e in ended if e.returncode < 0 and e.rank not in self.sent)
+        if coded:
+            return exit_status(coded[0].returncode)
+        if finished:
+            self._note(f"--keep-going: {_ranks(lost)} lost, {_ranks(finished)} finished; the "
+                       f"job succeeds")
+            return 0
+        return exit_status(self.first_failure.returncode)
+
+    def _point_at_dumps(self) -> None:
+        """Say where the ranks' dumps are, and leave the launcher's facts beside them."""
+        dumps = [f for f in os.listdir(self.trace_dir) if f.endswith(".trace.jsonl")] \
+            if os.path.isdir(self.trace_dir) else []
+        if dumps:
+            if not self.diagnosis:  # else keep what the launcher knew when the job hung
+                checkup.save_facts(self.trace_dir, self._facts())
+            self._note(f"flight recorders of {len(dumps)} rank(s) in {self.trace_dir}; "
+                       f"`gpucoll doctor {self.trace_dir}` reads them")
+
     def _report_timeout(self) -> None:
         hung = [p for p in self.ranks if p.rank in self.sent]
         lines = [f"gpucoll run: job timed out after {self.cfg.timeout:g} s (--timeout); "
@@ -519,6 +606,9 @@ class Job:
         for p in hung:
             lines.append(f"  {self._fate(p)}")
             lines += [f"      {line}" for line in p.output.last_stderr()[-5:]]
+        if self.diagnosis:
+            lines += ["gpucoll run: what gpucoll doctor found when the job timed out:",
+                      self.diagnosis]
         self._note("\n".join(lines), raw=True)
 
     def _fate(self, proc: RankProcess) -> str:
@@ -532,6 +622,10 @@ class Job:
     def _note(self, text: str, raw: bool = False) -> None:
         msg = text if raw else f"gpucoll run: {text}"
         self.console.write("stderr", (msg + "\n").encode())
+
+
+def _ranks(ranks: list[int]) -> str:
+    return f"rank {ranks[0]}" if len(ranks) == 1 else f"ranks {', '.join(map(str, ranks))}"
 
 
 def console() -> Console:

@@ -80,12 +80,19 @@ class TCPStore:
                                        limits=limits)
             self.port = self._server.port
         target = "127.0.0.1" if is_server and host in _WILDCARDS else host
+        self._target, self._token = target, token
         try:
             self._conn = Connection(target, self.port, token, self.timeout)
         except BaseException:
             if self._server is not None:
                 self._server.close()
             raise
+
+    def new_client(self, *, timeout: float | None = None) -> TCPStore:
+        """Another connection to the same store (same address and token), e.g. for a thread
+        that waits there without making this connection's callers wait behind it."""
+        return TCPStore(self._target, self.port, timeout=self.timeout if timeout is None
+                        else timeout, token=self._token)
 
     @property
     def is_server(self) -> bool:

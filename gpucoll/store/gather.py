@@ -1,5 +1,6 @@
 """Ranks meeting in the store: one key per rank, a wait for all of them that names the ranks
-missing, and what became of the ranks that left (``Liveness``).
+missing, what became of the ranks that left (``Liveness``), and the survivors' agreement on who
+is left after a rank was lost (``agree_survivors``).
 
 Start-up steps (the ring's address exchange, NCCL's arrival, ``backend="auto"``'s verdicts) and
 store-side collectives (a split's colours, a debug signature check) each publish one key per rank
@@ -11,6 +12,7 @@ through the will every rank leaves in the group's namespace.
 
 from __future__ import annotations
 
+import json
 import math
 import time
 from collections.abc import Sequence
@@ -32,11 +34,16 @@ class Liveness:
     that wait with a ``Liveness`` learn which rank died. ``leave()`` is the clean exit.
     """
 
-    def __init__(self, store: Any, rank: int, size: int):
+    def __init__(self, store: Any, rank: int, size: int,
+                 earlier: tuple[Any, Sequence[int]] | None = None):
         self.store, self.rank, self.size = store, rank, size
         self.host = store_host_rank(store)
         self._keys = [_GONE.format(r) for r in range(size)]
         self._left = False
+        # a group shrunk from another: rank i was rank earlier[1][i] there, and its will there
+        # tells of a death before its will here was made
+        self._earlier = None if earlier is None else (
+            earlier[0], [_GONE.format(r) for r in earlier[1]])
         store.set_will(self._keys[rank], b"died")
 
     @classmethod
@@ -65,7 +72,13 @@ class Liveness:
     def gone(self) -> dict[int, str]:
         """``{rank: "died" | "closed"}`` for the ranks whose ``gone/`` key exists (one peek)."""
         values = self.store.peek(self._keys)
-        return {r: v.decode("utf-8", "replace") for r, v in enumerate(values) if v is not None}
+        found = {r: v.decode("utf-8", "replace") for r, v in enumerate(values) if v is not None}
+        if self._earlier is not None:
+            store, keys = self._earlier
+            for r, v in enumerate(store.peek(keys)):
+                if v == b"died" and r not in found:
+                    found[r] = "died"
+        return found
 
 
 def wait_for_ranks(store: Any, keys: Sequence[str], timeout: float, *, what: str, rank: int,
@@ -104,7 +117,14 @@ def wait_for_ranks(store: Any, keys: Sequence[str], timeout: float, *, what: str
                 f"hosts (rank {liveness.host} died or closed it): {exc}",
                 peer=liveness.host) from None
         if liveness is not None:
-            liveness.check(what, ranks)
+            try:
+                liveness.check(what, ranks)
+            except PeerFailure:
+                # a rank that set its key, then died while this wait's slice ran out: the wait
+                # has what it waited for (the same as if the death came just after it)
+                if None not in store.peek(keys):
+                    return
+                raise
         notice.tick(lambda: f"for {_ranks(_missing(store, keys, ranks))}")
         if time.monotonic() >= deadline:
             missing = _missing(store, keys, ranks)
@@ -142,6 +162,46 @@ def fetch(store: Any, key: str, owner: int, timeout: float, *, what: str, rank: 
     wait_for_ranks(store, [key], timeout, what=what, rank=rank, absent=absent,
                    liveness=liveness, ranks=[owner])
     return store.get(key)
+
+
+def agree_survivors(store: Any, rank: int, size: int, liveness: Liveness, timeout: float, *,
+                    attempt: str, what: str = "shrink") -> list[int]:
+    """The ranks of a group that are still alive, the same list on every one of them, made
+    under the name ``attempt`` (one per try: a retry needs a new one). Collective over the
+    survivors, and none of them is special.
+
+    Each survivor says it is here; it waits until every rank has said so or is gone (its will:
+    died, or closed), or until ``timeout``; then it proposes the ranks that said so and are not
+    gone. The store's compare-and-set makes the first proposal the answer every survivor reads,
+    so they agree even when a rank dies meanwhile (a proposal made before the death names it;
+    building the group then fails on every member alike, and they try again without it). A
+    rank that is not in the answer (it came after the deadline) raises PeerFailure.
+    """
+    deadline = time.monotonic() + timeout
+    here = [f"{attempt}/here/{r}" for r in range(size)]
+    decided_key = f"{attempt}/members"
+    store.set(here[rank], b"1")
+    decided = store.peek([decided_key])[0]
+    while decided is None:
+        present = store.peek(here)
+        gone = liveness.gone()
+        pending = [r for r in range(size) if present[r] is None and r not in gone]
+        if not pending or time.monotonic() >= deadline:
+            proposal = [r for r in range(size) if present[r] is not None and r not in gone]
+            decided = store.compare_set(decided_key, "", json.dumps(proposal))
+            break
+        try:
+            store.wait([here[pending[0]]], timeout=max(min(POLL, deadline - time.monotonic()),
+                                                       0.001))
+        except StoreTimeout:
+            pass
+        decided = store.peek([decided_key])[0]
+    members = json.loads(decided)
+    if rank not in members:
+        raise PeerFailure(f"{what} on rank {rank} of {size}: the surviving ranks {members} "
+                          f"agreed on their group before this rank arrived (it came after "
+                          f"their deadline)", peer=None)
+    return members
 
 
 def leave_group(store: Any, rank: int, size: int) -> None:

@@ -36,9 +36,12 @@ from gpucoll.backends.nccl.grouped import GroupedNccl
 from gpucoll.backends.nccl.watch import EventWork, Pending, Positions, Watchdog
 from gpucoll.errors import BackendUnavailable, CollectiveTimeout, GpucollError, UsageError
 from gpucoll.ops import ReduceOp
-from gpucoll.store.gather import Liveness
+from gpucoll.store.gather import Liveness, share
 
 _INT32 = np.dtype(np.int32)
+# a member's vote on ncclCommShrink: "0" its communicator cannot, "1" it can (healthy), "2" it
+# can, revoked after a failure (then every member shrinks with NCCL_SHRINK_ABORT)
+SHRINK_VOTE = "nccl/shrink/{}"
 
 
 def same_stream(a: int, b: int) -> bool:
@@ -89,7 +92,8 @@ class NcclBackend(GroupedNccl, Backend):
             nc = load_nccl(rt, rank)
             self.device = boot.pick_device(rt, rank, device)
             rt.set_device(self.device)
-            _driver = self._start(nc, store, timeout)
+            _driver = self._start(nc, store, rank, size, timeout,
+                                  Liveness.of(store, rank, size))
         else:
             self.device = device
         self._nc = _driver
@@ -102,17 +106,18 @@ class NcclBackend(GroupedNccl, Backend):
         self._watchdog = Watchdog(rank, size, self._check_async, self._fail, _driver.liveness,
                                   positions)
 
-    def _start(self, nc: Any, store: Any, timeout: float) -> Driver:
-        """Arrival, the unique id, then the communicator, all within one deadline."""
+    def _start(self, nc: Any, store: Any, rank: int, size: int, timeout: float,
+               liveness: Liveness | None) -> Driver:
+        """Arrival, the unique id, then the communicator of ``rank`` of ``size`` meeting in
+        ``store``, all within one deadline."""
         deadline = time.monotonic() + timeout
-        liveness = Liveness.of(store, self.rank, self.size)
-        boot.arrive(store, self.rank, self.size, timeout, liveness)
-        uid = boot.share_unique_id(store, self.rank, nc, _left(deadline), liveness)
-        boot.enter(store, self.rank)
+        boot.arrive(store, rank, size, timeout, liveness)
+        uid = boot.share_unique_id(store, rank, nc, _left(deadline), liveness)
+        boot.enter(store, rank)
         with self._rt.using_device(self.device):
-            return Driver.create(nc, self.size, self.rank, uid, deadline=deadline,
-                                 timeout=timeout, liveness=liveness,
-                                 diagnose=lambda: boot.not_entered(store, self.rank, self.size))
+            return Driver.create(nc, size, rank, uid, deadline=deadline, timeout=timeout,
+                                 liveness=liveness,
+                                 diagnose=lambda: boot.not_entered(store, rank, size))
 
     # ---- plumbing -------------------------------------------------------------------------
 
@@ -384,6 +389,34 @@ class NcclBackend(GroupedNccl, Backend):
                                   timeout=timeout, liveness=liveness)
         if made is None:
             return None
+        return NcclBackend(store, rank, size, timeout=timeout, device=self.device, _driver=made)
+
+    def shrink(self, store: Any, members: list[int], *, timeout: float,
+               liveness: Any = None) -> NcclBackend:
+        """The survivors' backend: ``members`` (this group's ranks that are left, ascending;
+        rank i of the new group is ``members[i]``), meeting in ``store``.
+
+        ncclCommShrink when every member's communicator can make it (``Driver.shrinkable``:
+        after a failure the communicator was revoked, not aborted, and has gone quiet). The
+        members vote in the store first, since all must take the same way; otherwise (a
+        binding or NCCL library without revoke or shrink, a communicator aborted) they start
+        a new communicator among themselves, as at start-up."""
+        deadline = time.monotonic() + timeout
+        rank, size, driver = members.index(self.rank), len(members), self._nc
+        if driver.failure is None and not self._closed:
+            self._drain("shrink", deadline, timeout)  # NCCL_SHRINK_DEFAULT: nothing in flight
+        vote = b"0" if not driver.shrinkable(deadline) else \
+            b"1" if driver.failure is None else b"2"
+        votes = share(store, [SHRINK_VOTE.format(r) for r in range(size)], vote,
+                      _left(deadline), what=f"shrink on rank {self.rank} (NCCL)", rank=rank,
+                      liveness=liveness)
+        with self._rt.using_device(self.device):
+            if b"0" not in votes:
+                excluded = [r for r in range(self.size) if r not in members]
+                made = driver.shrink("shrink", excluded, rank, size, abort=b"2" in votes,
+                                     deadline=deadline, timeout=timeout, liveness=liveness)
+            else:
+                made = self._start(driver.nc, store, rank, size, _left(deadline), liveness)
         return NcclBackend(store, rank, size, timeout=timeout, device=self.device, _driver=made)
 
     def _drain(self, opname: str, deadline: float, timeout: float) -> None:

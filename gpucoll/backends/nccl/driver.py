@@ -12,11 +12,18 @@ NCCL allows no other call on a communicator while it is in progress, and ``abort
 every call, and the one abort, take one lock: an abort from another thread (the watchdog, or a
 second thread found inside a call) waits until no call is inside NCCL, happens once, and every
 later call raises the failure that caused it.
+
+Where NCCL can (``ncclCommRevoke``, NCCL >= 2.28), a failure revokes the communicator
+instead of aborting it: its work in flight stops just the same, and every later call raises the
+failure, but the handle stays valid, so that the survivors of a lost rank can make a
+communicator of themselves with ``ncclCommShrink`` (``shrink``). A revoked communicator is
+aborted when it closes (NCCL forbids finalizing it).
 """
 
 from __future__ import annotations
 
 import copy
+import functools
 import threading
 import time
 from collections.abc import Callable
@@ -32,6 +39,22 @@ RESULT_NAMES = {
 }
 SUCCESS, REMOTE_ERROR, IN_PROGRESS, TIMEOUT = 0, 6, 7, 8
 LOOK_EVERY = 0.5  # seconds between looks at the store for peers that are gone, while settling
+QUIESCE_S = 5.0  # how long a revoked communicator may take to stop its work before a shrink
+SINCE = {"shrink": (2, 27), "revoke": (2, 28)}  # the NCCL release that added each call
+
+
+def supports(nc: Any, comm: Any, call: str) -> bool:
+    """Whether ``comm`` (of nccl4py ``nc``) can make ``call``: the binding has the method and
+    the NCCL library it loaded is recent enough (nccl4py has every method, whatever the
+    library, and an older library refuses the call only when it is made)."""
+    if not hasattr(comm, call):
+        return False
+    try:
+        version = str(nc.get_version().libnccl.version)
+        have = tuple(int(part) for part in version.split(".")[:2])
+    except Exception:  # noqa: BLE001 - no library, or a version this cannot read: do not try
+        return False
+    return have >= SINCE[call]
 
 
 def failure(status: int | None, opname: str, rank: int, size: int,
@@ -66,6 +89,7 @@ class Driver:
         self._lock = threading.Lock()
         self.failure: GpucollError | None = None
         self._freed = False  # aborted or destroyed: the handle must not be used again
+        self._revoked = False  # stopped after a failure, the handle kept for a shrink
 
     @classmethod
     def create(cls, nc: Any, size: int, rank: int, uid: bytes, *, deadline: float,
@@ -78,7 +102,7 @@ class Driver:
         except Exception as exc:  # noqa: BLE001 - nccl4py's and NCCL's errors alike
             raise translate(exc, "NCCL start-up", rank, size) from exc
         driver = cls(nc, comm, rank, size, liveness)
-        driver.settle("NCCL start-up", deadline, timeout, diagnose)
+        driver.settle("NCCL start-up", deadline, timeout, diagnose, managing=True)
         return driver
 
     # ---- calls --------------------------------------------------------------------------
@@ -113,38 +137,42 @@ class Driver:
         self.settle(opname, deadline, timeout)
 
     def settle(self, opname: str, deadline: float, timeout: float,
-               diagnose: Callable[[], str] | None = None) -> None:
+               diagnose: Callable[[], str] | None = None, *, managing: bool = False) -> None:
         """Wait until the communicator is no longer in progress (NCCL forbids any other call
-        until then); abort and raise when it fails, the deadline passes or a peer is gone."""
+        until then); abort and raise when it fails, the deadline passes or a peer is gone.
+        ``managing``: the making of a communicator (start-up, split, shrink) or its close,
+        which a revoked communicator still serves; a failure then aborts (frees) it, since a
+        communicator that never formed, or is closing, has nothing left to shrink."""
         delay, look = 0.00005, time.monotonic() + LOOK_EVERY
+        end = functools.partial(self.fail, free=managing)
         while True:
-            status = self.async_error(opname)
+            status = self.async_error(opname, managing=managing)
             if status == SUCCESS:
                 return
             if status != IN_PROGRESS:
-                raise self.fail(failure(status, opname, self.rank, self.size))
+                raise end(failure(status, opname, self.rank, self.size))
             now = time.monotonic()
             if now >= look and self.liveness is not None:
                 look = now + LOOK_EVERY
                 try:
                     self.liveness.check(opname)
                 except PeerFailure as exc:
-                    raise self.fail(exc) from None
+                    raise end(exc) from None
             if now > deadline:
                 diagnose = diagnose or self.diagnose
                 why = f"; {diagnose()}" if diagnose is not None else ""
-                raise self.fail(CollectiveTimeout(
+                raise end(CollectiveTimeout(
                     f"{opname} on rank {self.rank} of {self.size} did not complete within "
                     f"{timeout:g} s (NCCL was still connecting to its peers){why}; the NCCL "
                     f"communicator was aborted"))
             time.sleep(delay)
             delay = min(delay * 2, 0.005)
 
-    def async_error(self, opname: str) -> int:
+    def async_error(self, opname: str, *, managing: bool = False) -> int:
         """``ncclCommGetAsyncError``: SUCCESS, IN_PROGRESS or an error code; raises the
-        failure once the communicator was aborted."""
+        failure once the communicator was aborted (or revoked, unless ``managing``)."""
         with self._lock:
-            self._usable(opname)
+            self._usable(opname, managing)
             return int(self.comm.get_async_error())
 
     def split(self, opname: str, color: int | None, rank: int | None, size: int, *,
@@ -162,24 +190,91 @@ class Driver:
         if color is None or rank is None or not child.is_valid:
             return None
         made = Driver(self.nc, child, rank, size, liveness)
-        made.settle(opname, deadline, timeout)
+        made.settle(opname, deadline, timeout, managing=True)
+        return made
+
+    def shrinkable(self, deadline: float) -> bool:
+        """Whether ``ncclCommShrink`` can make the survivors' communicator from this one: the
+        binding and the library have it (``supports``), and the communicator is healthy, or
+        revoked and quiet again (its work stopped) by ``deadline`` (at most ``QUIESCE_S`` from
+        now). A revoked one that does not quiet down is aborted."""
+        with self._lock:  # a failure is revoked under the lock: wait until it is
+            if self._freed or not supports(self.nc, self.comm, "shrink"):
+                return False
+            if not self._revoked:
+                return self.failure is None
+        deadline = min(deadline, time.monotonic() + QUIESCE_S)
+        delay = 0.0005
+        while True:
+            with self._lock:
+                if self._freed:
+                    return False
+                status = int(self.comm.get_async_error())
+            if status == SUCCESS:
+                return True
+            if status != IN_PROGRESS or time.monotonic() > deadline:
+                self.fail(self.failure, free=True)
+                return False
+            time.sleep(delay)
+            delay = min(delay * 2, 0.01)
+
+    def shrink(self, opname: str, excluded: list[int], rank: int, size: int, *, abort: bool,
+               deadline: float, timeout: float, liveness: Any) -> Driver:
+        """``ncclCommShrink`` without the ``excluded`` ranks (collective over the others; see
+        ``shrinkable``): the new communicator, where this rank is ``rank`` of ``size``. With
+        ``abort`` (after a failure; the same on every member) NCCL_SHRINK_ABORT: what was left
+        of the old work is dropped. When it fails, both communicators are aborted (NCCL allows
+        nothing else while a shrink is in progress), so that a second try starts a new
+        communicator instead."""
+        flags = self.nc.CommShrinkFlag
+        flag = flags.ABORT if abort else flags.DEFAULT
+        with self._lock:
+            self._usable(opname, managing=True)
+            try:
+                child = self.comm.shrink(excluded, None, flag)
+            except Exception as exc:  # noqa: BLE001
+                err = translate(exc, opname, self.rank, self.size)
+                self._end(err, free=True)
+                raise err from exc
+        made = Driver(self.nc, child, rank, size, liveness)
+        try:
+            made.settle(opname, deadline, timeout, managing=True)
+            self.settle(opname, deadline, timeout, managing=True)
+        except GpucollError as exc:
+            made.fail(exc, free=True)
+            self.fail(exc, free=True)
+            raise
         return made
 
     # ---- failure and the end ------------------------------------------------------------
 
-    def fail(self, exc: GpucollError) -> GpucollError:
-        """Record the first failure and abort the communicator (once, between calls); returns
-        the failure to raise (the first one, when this is a later one)."""
+    def fail(self, exc: GpucollError, *, free: bool = False) -> GpucollError:
+        """Record the first failure and stop the communicator (once, between calls): revoke
+        it where the binding can and ``free`` is not asked, else abort it. Returns the
+        failure to raise (the first one, when this is a later one)."""
         with self._lock:
-            if self.failure is None:
-                self.failure = exc
-            if not self._freed:
-                self._freed = True
-                try:
-                    self.comm.abort()
-                except Exception:  # noqa: BLE001 - the failure recorded above is what matters
-                    pass
+            self._end(exc, free)
             return self.failure
+
+    def _end(self, exc: GpucollError, free: bool) -> None:
+        """``fail``'s work, the lock held."""
+        if self.failure is None:
+            self.failure = exc
+        if self._freed:
+            return
+        if not free and not self._revoked and supports(self.nc, self.comm, "revoke"):
+            try:
+                self.comm.revoke()
+                self._revoked = True
+                return
+            except Exception:  # noqa: BLE001 - NCCL refused: abort instead
+                pass
+        if free or not self._revoked:
+            self._freed = True
+            try:
+                self.comm.abort()
+            except Exception:  # noqa: BLE001 - the failure recorded above is what matters
+                pass
 
     def close(self, deadline: float) -> None:
         """Finalize (collective: waits, within ``deadline``, for the peers' own close) and
@@ -188,6 +283,9 @@ class Driver:
         with self._lock:
             if self._freed:
                 return
+            if self._revoked:  # NCCL forbids finalizing a revoked communicator
+                self._end(self.failure, free=True)
+                return
             try:
                 self.comm.finalize()
             except Exception:  # noqa: BLE001 - destroy would finalize again, blocking: abort
@@ -195,12 +293,13 @@ class Driver:
             else:
                 refused = False
         if refused:
-            self.fail(GpucollError(f"close on rank {self.rank}: NCCL refused to finalize"))
+            self.fail(GpucollError(f"close on rank {self.rank}: NCCL refused to finalize"),
+                      free=True)
             return
-        try:
-            self.settle("close", deadline, max(deadline - time.monotonic(), 0.0))
+        try:  # managing: a failure here aborts (frees) the communicator
+            self.settle("close", deadline, max(deadline - time.monotonic(), 0.0), managing=True)
         except GpucollError:
-            return  # settle aborted the communicator
+            return
         with self._lock:
             if not self._freed:
                 self._freed = True
@@ -209,9 +308,10 @@ class Driver:
                 except Exception:  # noqa: BLE001 - closing never raises
                     pass
 
-    def _usable(self, opname: str) -> None:
-        """Raise (a copy of) the failure that ended this communicator, if any (lock held)."""
-        if self._freed:
+    def _usable(self, opname: str, managing: bool = False) -> None:
+        """Raise (a copy of) the failure that ended this communicator, if any (lock held); a
+        revoked one still serves a shrink (``managing``)."""
+        if self._freed or (self._revoked and not managing):
             raise copy.copy(self.failure) if self.failure is not None else GpucollError(
                 f"{opname} on rank {self.rank} of {self.size}: the NCCL communicator is closed")
 
@@ -221,13 +321,6 @@ class Driver:
         err = translate(exc, opname, self.rank, self.size)
         if getattr(exc, "status", None) is None:
             return err
-        if self.failure is None:
-            self.failure = err
-        if not self._freed:
-            self._freed = True
-            try:
-                self.comm.abort()
-            except Exception:  # noqa: BLE001
-                pass
+        self._end(err, free=False)
         return self.failure
 
