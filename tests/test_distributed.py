@@ -10,6 +10,8 @@ from __future__ import annotations
 
 import functools
 import os
+import pathlib
+import re
 import subprocess
 import sys
 import textwrap
@@ -136,13 +138,26 @@ def test_an_unknown_backend_is_refused_naming_the_ones_there_are():
 
 # -- the same training script on torch.distributed and on gpucoll.distributed ----------------------
 
-def _train(module: str, out: str) -> None:
-    script = os.path.join(HERE, "torch_training.py")
+def _launch(*args: str) -> subprocess.CompletedProcess:
+    """``gpucoll run -n 2 ARGS`` with a 60 s deadline on every call, 300 s in all."""
     env = {k: v for k, v in os.environ.items() if not k.startswith("GPUCOLL_")}
     env["GPUCOLL_TIMEOUT"] = "60"
-    done = subprocess.run([sys.executable, "-m", "gpucoll", "run", "-n", "2", script, module,
-                           out], capture_output=True, text=True, timeout=300, env=env)
+    return subprocess.run([sys.executable, "-m", "gpucoll", "run", "-n", "2", *args],
+                          capture_output=True, text=True, timeout=300, env=env)
+
+
+def _train(module: str, out: str) -> None:
+    done = _launch(os.path.join(HERE, "torch_training.py"), module, out)
     assert done.returncode == 0, f"{module}:\n{done.stdout}\n{done.stderr}"
+
+
+def test_the_example_of_docs_torch_md_runs_under_gpucoll_run(tmp_path):
+    page = pathlib.Path(HERE).parent / "docs" / "torch.md"
+    (block,) = re.findall(r"```python\n(.*?)```", page.read_text(), re.S)
+    script = tmp_path / "train.py"
+    script.write_text(block)
+    done = _launch(str(script))
+    assert done.returncode == 0, f"{done.stdout}\n{done.stderr}"
 
 
 def test_training_ends_bit_identical_to_torch_distributed_on_gloo(tmp_path):
@@ -158,3 +173,36 @@ def test_training_ends_bit_identical_to_torch_distributed_on_gloo(tmp_path):
     # it trained: the loss moved, and the two optimisers went different ways
     assert a["losses"][-1] != a["losses"][0]
     assert not torch.equal(a["sgd"], a["adam"])
+
+
+# -- hostile: one rank alone passes a wrong argument ---------------------------------------------
+
+def _one_rank_wrong(rank: int, n: int, port: int) -> str:
+    import gpucoll.distributed as dist
+    from gpucoll.errors import GpucollError
+
+    store = TCPStore("127.0.0.1", port, timeout=30)
+    dist.init_process_group("gloo", store=store, rank=rank, world_size=n, timeout=30)
+    try:
+        out = torch.zeros(n * 3 + (rank == 1))  # rank 1 alone: one element too many
+        dist.all_gather_into_tensor(out, torch.ones(3))
+        return "returned"
+    except ValueError as e:  # rank 1, before sending anything
+        return f"ValueError: {e}"
+    except GpucollError as e:  # the others, once rank 1 has left
+        return f"{type(e).__name__}: {e}"
+    finally:
+        dist.destroy_process_group()
+        store.close()
+
+
+def test_a_wrong_shape_on_one_rank_fails_there_and_the_others_hear_of_it():
+    server = TCPStore("127.0.0.1", 0, is_server=True, timeout=60)
+    try:
+        got = spawn(_one_rank_wrong, 3, server.port, timeout=120)
+    finally:
+        server.close()
+    assert got[1].startswith("ValueError: all_gather_into_tensor on rank 1 of 3: output_tensor "
+                             "has shape [10]"), got[1]
+    for rank in (0, 2):
+        assert "rank 1" in got[rank] and not got[rank].startswith("returned"), got[rank]
