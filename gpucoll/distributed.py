@@ -241,9 +241,12 @@ def all_gather(tensor_list: list, tensor: Any, group: Any = None,
     comm = _group(group, "all_gather")
     if comm is None:
         return None
-    outs = _list(tensor_list, comm.size, "tensor_list", "all_gather")
+    outs = _list(tensor_list, comm.size, "tensor_list", "all_gather", like=tensor)
     x = _t(tensor)
-    counts = [_numel(t) for t in outs]
+    counts = _sizes(outs, "tensor_list", "all_gather")
+    if counts[comm.rank] != _numel(x):
+        raise ValueError(f"{_where('all_gather')}: tensor_list[{comm.rank}], this rank's slot, "
+                         f"has {counts[comm.rank]} elements, but tensor has {_numel(x)}")
     if len(set(counts)) == 1:
         got = comm.all_gather(x, async_op=async_op)
         return _then(got, async_op, lambda rows: _fill(outs, list(rows)))
@@ -326,8 +329,9 @@ def all_to_all(output_tensor_list: list, input_tensor_list: list, group: Any = N
     comm = _group(group, "all_to_all")
     if comm is None:
         return None
-    outs = _list(output_tensor_list, comm.size, "output_tensor_list", "all_to_all")
     ins = _list(input_tensor_list, comm.size, "input_tensor_list", "all_to_all")
+    outs = _list(output_tensor_list, comm.size, "output_tensor_list", "all_to_all",
+                 like=ins[0])
     chunks = [_flat(t, f"input_tensor_list[{j}]", "all_to_all") for j, t in enumerate(ins)]
     got = comm.all_to_all_v(chunks, counts=[_numel(t) for t in outs], async_op=async_op)
     return _then(got, async_op, lambda parts: _fill(outs, parts))
@@ -343,7 +347,8 @@ def gather(tensor: Any, gather_list: list | None = None, dst: int | None = None,
     root = _to_group(comm, dst, group_dst, "dst", "gather")
     outs = None
     if comm.rank == root:
-        outs = _list(gather_list, comm.size, "gather_list", "gather")
+        outs = _list(gather_list, comm.size, "gather_list", "gather", like=tensor)
+        _sizes(outs, "gather_list", "gather", _numel(_t(tensor)))
     elif gather_list:
         raise ValueError(f"{_where('gather')}: gather_list is given on a rank that is not dst")
     got = comm.gather(_t(tensor), root, async_op=async_op)
@@ -724,13 +729,31 @@ def _close_owned() -> None:
         store.close()
 
 
-def _list(value: Any, size: int, name: str, fn: str) -> list:
+def _list(value: Any, size: int, name: str, fn: str, like: Any = None) -> list:
+    """``value`` checked to be a list of one entry per rank; with ``like`` (an array), of
+    arrays of ``like``'s dtype (results are copied into them: a cast would go unnoticed)."""
     if not isinstance(value, list) or len(value) != size:
         got = f"a list of {len(value)}" if isinstance(value, list) else type(value).__name__
         raise ValueError(f"{_where(fn)}: {name} must be a list of {size} (one per rank of the "
-                         f"group), "
-                         f"got {got}")
+                         f"group), got {got}")
+    if like is not None:
+        want = _t(like).dtype
+        for i, entry in enumerate(value):
+            got = getattr(_t(entry), "dtype", type(entry).__name__)
+            if got != want:
+                raise TypeError(f"{_where(fn)}: {name}[{i}] is {got}, but the tensor sent is "
+                                f"{want}; every tensor of the call must have the same dtype")
     return value
+
+
+def _sizes(tensors: list, name: str, fn: str, want: int | None = None) -> list[int]:
+    """The element counts of ``tensors``; with ``want``, ValueError unless all are ``want``."""
+    counts = [_numel(t) for t in tensors]
+    wrong = [i for i, c in enumerate(counts) if want is not None and c != want]
+    if wrong:
+        raise ValueError(f"{_where(fn)}: {name}[{wrong[0]}] has {counts[wrong[0]]} elements, "
+                         f"but the tensor sent has {want}")
+    return counts
 
 
 def _numel(tensor: Any) -> int:

@@ -350,6 +350,32 @@ def an_all_gather_list_of_the_wrong_length_is_refused(dist, r, n):
 
 
 @case
+def an_output_list_of_another_dtype_is_refused_rather_than_cast(dist, r, n):
+    refuses(dist, TypeError, r"all_gather.*tensor_list\[0\] is int32.*tensor sent is float32",
+            lambda: dist.all_gather([torch.zeros(6, dtype=torch.int32)] * n, val(r)))
+    refuses(dist, TypeError, r"all_to_all.*output_tensor_list\[0\] is float64",
+            lambda: dist.all_to_all([torch.zeros(1, dtype=torch.float64)] * n,
+                                    [val(r, 1)] * n))
+
+
+@case
+def an_own_all_gather_slot_of_another_size_is_refused(dist, r, n):
+    out = [torch.zeros(6) for _ in range(n)]
+    out[r] = torch.zeros(5)
+    refuses(dist, ValueError, rf"all_gather.*tensor_list\[{r}\], this rank's slot, has 5 "
+            r"elements, but tensor has 6", lambda: dist.all_gather(out, val(r)))
+
+
+@case
+def a_gather_list_entry_of_another_size_is_refused_on_dst(dist, r, n):
+    def call():
+        got = [torch.zeros(6) for _ in range(n - 1)] + [torch.zeros(7)]
+        dist.gather(val(r), got, dst=r)  # every rank names itself dst: each checks its list
+    refuses(dist, ValueError, rf"gather.*gather_list\[{n - 1}\] has 7 elements, but the "
+            r"tensor sent has 6", call)
+
+
+@case
 def a_src_outside_the_group_is_refused(dist, r, n):
     refuses(dist, ValueError, rf"broadcast.*src={n} is not a rank of the group",
             lambda: dist.broadcast(val(r), src=n))
