@@ -10,9 +10,12 @@ What torch does and this does too: ``init_process_group`` reads torchrun's (or g
 MPI's) environment or an ``init_method`` of ``env://`` or ``tcp://host:port``; collectives on a
 group's non-member do nothing and warn; ``recv`` returns the sender's rank. What it refuses with an
 error instead: receiving from any source (``src=None``), message tags other than 0,
-``use_local_synchronization=True`` and ``PREMUL_SUM``. Outputs that torch fills in a list
-(``all_gather``, ``gather``, ``all_to_all``) are copied there when the call completes: at once,
-or at ``wait()`` with ``async_op=True``.
+``new_group(use_local_synchronization=True)`` or ``sort_ranks=False``, and ``PREMUL_SUM``.
+Outputs that torch fills in a list (``all_gather``, ``gather``, ``all_to_all``) are checked
+before the call (one per rank, the input's dtype) and copied there when it completes: at once, or
+at ``wait()`` with ``async_op=True``. torch itself is never imported here: a CPU tensor reaches
+the communicator as its NumPy view, a CUDA tensor as itself (see ``_t``); docs/torch.md has the
+whole story.
 """
 
 from __future__ import annotations
@@ -103,7 +106,7 @@ def init_process_group(backend: str | None = None, init_method: str | None = Non
     given = (None, None) if rank == -1 and world_size == -1 else (rank, world_size)
     if init_method not in (None, "", "env://"):
         if store is not None:
-            raise ValueError(f"{_where('init_process_group')}: pass init_method or store, not both")
+            raise ValueError("init_process_group: pass init_method or store, not both")
         store = _owned_store = _store_at(init_method, *given, seconds)
     try:
         _default.init(name, rank=given[0], world_size=given[1], store=store, timeout=seconds,
