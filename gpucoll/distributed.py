@@ -101,6 +101,9 @@ def init_process_group(backend: str | None = None, init_method: str | None = Non
     ``TCPStore``. ``timeout``: seconds or a ``timedelta``. Collective over the job.
     """
     global _owned_store
+    if is_initialized():
+        raise RuntimeError("init_process_group: the default process group is already "
+                           "initialized; call dist.destroy_process_group() first")
     name = _backend(backend)
     seconds = _seconds(timeout, "init_process_group")
     given = (None, None) if rank == -1 and world_size == -1 else (rank, world_size)
@@ -215,7 +218,8 @@ def all_reduce(tensor: Any, op: Any = ReduceOp.SUM, group: Any = None,
     comm = _group(group, "all_reduce")
     if comm is None:
         return None
-    return _result(comm.all_reduce(_t(tensor), _op(op, "all_reduce"), async_op=async_op), async_op)
+    x, rop = _t(tensor, "tensor", "all_reduce"), _op(op, "all_reduce")
+    return _result(comm.all_reduce(x, rop, async_op=async_op), async_op)
 
 
 def broadcast(tensor: Any, src: int | None = None, group: Any = None, async_op: bool = False,
@@ -225,7 +229,8 @@ def broadcast(tensor: Any, src: int | None = None, group: Any = None, async_op: 
     if comm is None:
         return None
     root = _to_group(comm, src, group_src, "src", "broadcast")
-    return _result(comm.broadcast(_t(tensor), root, async_op=async_op), async_op)
+    x = _t(tensor, "tensor", "broadcast")
+    return _result(comm.broadcast(x, root, async_op=async_op), async_op)
 
 
 def reduce(tensor: Any, dst: int | None = None, op: Any = ReduceOp.SUM, group: Any = None,
@@ -235,7 +240,8 @@ def reduce(tensor: Any, dst: int | None = None, op: Any = ReduceOp.SUM, group: A
     if comm is None:
         return None
     root = _to_group(comm, dst, group_dst, "dst", "reduce")
-    return _result(comm.reduce(_t(tensor), root, _op(op, "reduce"), async_op=async_op), async_op)
+    x, rop = _t(tensor, "tensor", "reduce"), _op(op, "reduce")
+    return _result(comm.reduce(x, root, rop, async_op=async_op), async_op)
 
 
 def all_gather(tensor_list: list, tensor: Any, group: Any = None,
@@ -245,7 +251,7 @@ def all_gather(tensor_list: list, tensor: Any, group: Any = None,
     if comm is None:
         return None
     outs = _list(tensor_list, comm.size, "tensor_list", "all_gather", like=tensor)
-    x = _t(tensor)
+    x = _t(tensor, "tensor", "all_gather")
     counts = _sizes(outs, "tensor_list", "all_gather")
     if counts[comm.rank] != _numel(x):
         raise ValueError(f"{_where('all_gather')}: tensor_list[{comm.rank}], this rank's slot, "
@@ -354,7 +360,7 @@ def gather(tensor: Any, gather_list: list | None = None, dst: int | None = None,
         _sizes(outs, "gather_list", "gather", _numel(_t(tensor)))
     elif gather_list:
         raise ValueError(f"{_where('gather')}: gather_list is given on a rank that is not dst")
-    got = comm.gather(_t(tensor), root, async_op=async_op)
+    got = comm.gather(_t(tensor, "tensor", "gather"), root, async_op=async_op)
     return _then(got, async_op, lambda rows: outs is not None and _fill(outs, list(rows)))
 
 
@@ -384,7 +390,7 @@ def send(tensor: Any, dst: int | None = None, group: Any = None, tag: int = 0,
     """Send ``tensor`` to ``dst``, which receives it with ``recv``."""
     comm = _group(group, "send")
     if comm is not None:
-        comm.send(_t(tensor), _to_group(comm, dst, group_dst, "dst", "send", tag))
+        comm.send(_t(tensor, "tensor", "send"), _to_group(comm, dst, group_dst, "dst", "send", tag))
 
 
 def recv(tensor: Any, src: int | None = None, group: Any = None, tag: int = 0,
@@ -394,7 +400,7 @@ def recv(tensor: Any, src: int | None = None, group: Any = None, tag: int = 0,
     if comm is None:
         return -1
     peer = _to_group(comm, src, group_src, "src", "recv", tag)
-    comm.recv(_t(tensor), peer)
+    comm.recv(_t(tensor, "tensor", "recv"), peer)
     return _global_ranks(comm)[peer]
 
 
@@ -404,7 +410,8 @@ def isend(tensor: Any, dst: int | None = None, group: Any = None, tag: int = 0,
     comm = _group(group, "isend")
     if comm is None:
         return None
-    return _Handle(comm.isend(_t(tensor), _to_group(comm, dst, group_dst, "dst", "isend", tag)))
+    peer = _to_group(comm, dst, group_dst, "dst", "isend", tag)
+    return _Handle(comm.isend(_t(tensor, "tensor", "isend"), peer))
 
 
 def irecv(tensor: Any, src: int | None = None, group: Any = None, tag: int = 0,
@@ -413,7 +420,8 @@ def irecv(tensor: Any, src: int | None = None, group: Any = None, tag: int = 0,
     comm = _group(group, "irecv")
     if comm is None:
         return None
-    return _Handle(comm.irecv(_t(tensor), _to_group(comm, src, group_src, "src", "irecv", tag)))
+    peer = _to_group(comm, src, group_src, "src", "irecv", tag)
+    return _Handle(comm.irecv(_t(tensor, "tensor", "irecv"), peer))
 
 
 class P2POp:
@@ -650,12 +658,15 @@ def _to_group(comm: Communicator, rank: Any, group_rank: Any, name: str, fn: str
                          f"are {list(ranks)})") from None
 
 
-def _t(tensor: Any) -> Any:
+def _t(tensor: Any, name: str = "tensor", fn: str = "") -> Any:
     """The array the communicator sees, sharing ``tensor``'s memory. A CPU torch tensor becomes
     its NumPy view (``numpy()``; bfloat16 through ml_dtypes' dtype), so it takes the same path as
     a NumPy array; a CUDA tensor is passed on detached from autograd (the communicator reads it
     through ``__cuda_array_interface__``/DLPack). Anything else passes unchanged."""
     if not type(tensor).__module__.startswith("torch"):
+        if fn and (tensor is None or isinstance(tensor, (list, tuple, int, float, complex))):
+            raise TypeError(f"{_where(fn)}: {name} must be a tensor (torch, NumPy or CuPy), got "
+                            f"{type(tensor).__name__}")
         return tensor
     x = tensor.detach()  # same memory; torch's collectives also take tensors that require grad
     if x.device.type != "cpu":
@@ -663,7 +674,11 @@ def _t(tensor: Any) -> Any:
     torch = sys.modules["torch"]  # loaded: tensor is one of its tensors
     if x.dtype == torch.bfloat16:  # NumPy has no bfloat16 of its own
         return x.view(torch.int16).numpy().view(dtype_from_name("bfloat16"))
-    return x.numpy()
+    try:
+        return x.numpy()
+    except RuntimeError as e:  # a lazy conjugate or negative view: no memory of its own to share
+        raise ValueError(f"{_where(fn or 'tensor')}: {name} cannot be shared without a copy "
+                         f"({e})") from None
 
 
 def _op(op: Any, fn: str) -> Any:

@@ -109,6 +109,10 @@ def test_init_and_destroy_follow_the_process_group_life_cycle():
             print(e)
         dist.init_process_group("gloo", rank=0, world_size=1)
         assert dist.is_initialized()
+        try:
+            dist.init_process_group("gloo", rank=0, world_size=1)
+        except RuntimeError as e:
+            print(e)
         assert (dist.get_rank(), dist.get_world_size(), dist.get_backend()) == (0, 1, "gloo")
         dist.destroy_process_group()
         assert not dist.is_initialized()
@@ -119,7 +123,9 @@ def test_init_and_destroy_follow_the_process_group_life_cycle():
     assert done.returncode == 0, done.stderr
     assert done.stdout.splitlines() == [
         "all_reduce: the default process group is not initialized; call "
-        "dist.init_process_group() first", "done"]
+        "dist.init_process_group() first",
+        "init_process_group: the default process group is already initialized; call "
+        "dist.destroy_process_group() first", "done"]
 
 
 def test_an_unknown_backend_is_refused_naming_the_ones_there_are():

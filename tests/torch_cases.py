@@ -376,6 +376,14 @@ def a_gather_list_entry_of_another_size_is_refused_on_dst(dist, r, n):
 
 
 @case
+def a_tensor_argument_that_is_no_tensor_is_refused_by_its_name(dist, r, n):
+    refuses(dist, TypeError, r"all_reduce.*tensor must be a tensor.*got NoneType",
+            lambda: dist.all_reduce(None))  # a parameter's .grad before backward()
+    refuses(dist, TypeError, r"broadcast.*tensor must be a tensor.*got list",
+            lambda: dist.broadcast([1.0, 2.0], src=0))
+
+
+@case
 def a_src_outside_the_group_is_refused(dist, r, n):
     refuses(dist, ValueError, rf"broadcast.*src={n} is not a rank of the group",
             lambda: dist.broadcast(val(r), src=n))
