@@ -6,11 +6,13 @@ runs float32 all_reduce (and any other ops asked for) from 8 B to 128 MiB with `
 ``--rounds`` times (fresh processes each round; a shared machine is noisy), prints nccl-tests'
 tables, then the median over rounds of each cell side by side, writes
 ``OUT/collectives-<N>ranks.{json,csv,png}`` (medians; each round's JSON beside them), and
-checks the host ring's targets against those medians:
+checks the host ring's targets (``TARGETS``) against those medians:
 
-  2 ranks, all_reduce float32: busbw at 32 MiB >= 5x gloo's and >= Open MPI's;
-                               time at 8 B <= a tenth of gloo's
-  4 ranks, all_reduce float32: faster than gloo at every size
+  2 ranks, all_reduce: 8 B in <= 8x Open MPI's time and <= 0.03x gloo's; 64 KiB-4 MiB in
+           <= 1.3x Open MPI's time; from 16 MiB >= 1.3x Open MPI's busbw and >= 5x gloo's
+  4 ranks, all_reduce: up to 1 MiB in <= 3x Open MPI's time; from 4 MiB >= its busbw; never
+           slower than gloo. all_gather, broadcast, reduce_scatter, all_to_all at 1 MiB in
+           <= 1.5x Open MPI's time (run with --ops to measure them)
 
   python benchmarks/collectives.py                       # 2 and 4 ranks, 3 rounds, results/
   python benchmarks/collectives.py --ranks 2 --rounds 1 --out /tmp/r -- -n 50 -w 10
@@ -31,8 +33,24 @@ from gpucoll.bench import cli, report
 from gpucoll.bench.options import bandwidths
 from gpucoll.bench.report import best_busbw, best_time, plot
 
-TARGET_SIZE = 32 << 20
-LATENCY_SIZE = 8
+KiB, MiB = 1 << 10, 1 << 20
+
+# (ranks, op, sizes, metric, peer, factor): "time" targets hold when ours <= factor x the
+# peer's time; "busbw" targets when ours >= factor x the peer's busbw. Sizes are a (low, high)
+# range in bytes, both ends included.
+TARGETS = [
+    (2, "all_reduce", (8, 8), "time", "mpi", 8.0),
+    (2, "all_reduce", (8, 8), "time", "gloo", 0.03),
+    (2, "all_reduce", (64 * KiB, 4 * MiB), "time", "mpi", 1.3),
+    (2, "all_reduce", (16 * MiB, 1 << 40), "busbw", "mpi", 1.3),
+    (2, "all_reduce", (16 * MiB, 1 << 40), "busbw", "gloo", 5.0),
+    (4, "all_reduce", (0, 1 * MiB), "time", "mpi", 3.0),
+    (4, "all_reduce", (4 * MiB, 1 << 40), "busbw", "mpi", 1.0),
+    (4, "all_reduce", (0, 1 << 40), "time", "gloo", 1.0),
+    *[(4, op, (1 * MiB, 1 * MiB), "time", "mpi", 1.5)
+      for op in ("all_gather", "broadcast", "reduce_scatter", "all_to_all")],
+]
+NAMES = {"mpi": "Open MPI", "gloo": "gloo"}
 
 
 def bench_argv(ops: list[str], ranks: int, json_path: str, extra: list[str]) -> list[str]:
@@ -73,52 +91,58 @@ def _same_cells(docs: list[dict[str, Any]], library: str, row: dict[str, Any],
     return cells
 
 
-def all_reduce_by_size(doc: dict[str, Any], library: str) -> dict[int, dict[str, Any]]:
-    """The library's float sum all_reduce results keyed by size (empty when it did not run)."""
+def float_sum_by_size(doc: dict[str, Any], library: str, op: str) -> dict[int, dict[str, Any]]:
+    """The library's float (sum where reducing) results of ``op`` keyed by size."""
     for run in doc["runs"]:
         if run["library"] == library:
-            return {d["size"]: d for d in run["results"]
-                    if d["op"] == "all_reduce" and d["type"] == "float" and d["redop"] == "sum"}
+            return {d["size"]: d for d in run["results"] if d["op"] == op
+                    and d["type"] == "float" and d["redop"] in ("sum", "none", None)}
     return {}
 
 
-def verdict(ok: bool | None) -> str:
-    return "not measured" if ok is None else ("met" if ok else "NOT met")
-
-
-def two_rank_targets(doc: dict[str, Any]) -> list[str]:
-    ours, gloo, mpi = (all_reduce_by_size(doc, lib) for lib in ("gpucoll", "gloo", "mpi"))
+def check_targets(doc: dict[str, Any], ranks: int) -> list[str]:
+    """One line per target of this rank count: the sizes it covers, the worst ratio, met or not."""
     lines = []
-    bw = {name: best_busbw(t[TARGET_SIZE]) if TARGET_SIZE in t else None
-          for name, t in (("gpucoll", ours), ("gloo", gloo), ("mpi", mpi))}
-    if bw["gpucoll"] is not None and bw["gloo"]:
-        ratio = bw["gpucoll"] / bw["gloo"]
-        lines.append(f"32 MiB busbw vs gloo: {bw['gpucoll']:.2f} vs {bw['gloo']:.2f} GB/s = "
-                     f"{ratio:.1f}x (target >= 5x): {verdict(ratio >= 5)}")
-    if bw["gpucoll"] is not None and bw["mpi"]:
-        lines.append(f"32 MiB busbw vs Open MPI: {bw['gpucoll']:.2f} vs {bw['mpi']:.2f} GB/s "
-                     f"(target >=): {verdict(bw['gpucoll'] >= bw['mpi'])}")
-    t = {name: best_time(tab[LATENCY_SIZE]) if LATENCY_SIZE in tab else None
-         for name, tab in (("gpucoll", ours), ("gloo", gloo), ("mpi", mpi))}
-    if t["gpucoll"] is not None and t["gloo"]:
-        lines.append(f"8 B time vs gloo: {t['gpucoll']:.1f} vs {t['gloo']:.1f} us = "
-                     f"{t['gpucoll'] / t['gloo']:.3f} (target <= 0.1): "
-                     f"{verdict(t['gpucoll'] <= t['gloo'] / 10)}")
-    if t["gpucoll"] is not None and t["mpi"]:
-        lines.append(f"8 B time vs Open MPI (for reference): {t['gpucoll']:.1f} vs "
-                     f"{t['mpi']:.1f} us")
+    for n, op, (low, high), metric, peer, factor in TARGETS:
+        if n != ranks:
+            continue
+        ours, theirs = float_sum_by_size(doc, "gpucoll", op), float_sum_by_size(doc, peer, op)
+        sizes = [s for s in sorted(set(ours) & set(theirs)) if low <= s <= high]
+        want = f"{op} {_span(low, high)}: {metric} {'<=' if metric == 'time' else '>='} " \
+               f"{factor:g}x {NAMES[peer]}'s"
+        if not sizes:
+            lines.append(f"{want}: not measured")
+            continue
+        pick = best_time if metric == "time" else best_busbw
+        ratios = {s: pick(ours[s]) / pick(theirs[s]) for s in sizes
+                  if pick(ours[s]) and pick(theirs[s])}
+        worst = max(ratios, key=ratios.get) if metric == "time" else min(ratios, key=ratios.get)
+        ok = ratios[worst] <= factor if metric == "time" else ratios[worst] >= factor
+        missed = [s for s, r in ratios.items() if (r > factor if metric == "time" else r < factor)]
+        where = f" (missed at {', '.join(_size(s) for s in missed)})" if missed else ""
+        lines.append(f"{want}: worst {ratios[worst]:.2f}x at {_size(worst)}, "
+                     f"{len(ratios) - len(missed)}/{len(ratios)} sizes{where}: {verdict(ok)}")
     return lines
 
 
-def four_rank_targets(doc: dict[str, Any]) -> list[str]:
-    ours, gloo = all_reduce_by_size(doc, "gpucoll"), all_reduce_by_size(doc, "gloo")
-    sizes = sorted(set(ours) & set(gloo))
-    if not sizes:
-        return ["ahead of gloo at every size: not measured"]
-    behind = [s for s in sizes if best_time(ours[s]) >= best_time(gloo[s])]
-    where = "" if not behind else f" (behind at {', '.join(map(str, behind))} B)"
-    return [f"ahead of gloo at every size: {len(sizes) - len(behind)}/{len(sizes)} sizes"
-            f"{where}: {verdict(not behind)}"]
+def _size(b: int) -> str:
+    for unit, scale in (("MiB", MiB), ("KiB", KiB)):
+        if b >= scale and b % scale == 0:
+            return f"{b // scale} {unit}"
+    return f"{b} B"
+
+
+def _span(low: int, high: int) -> str:
+    if low == high:
+        return f"at {_size(low)}"
+    if low == 0 and high >= 1 << 40:
+        return "at every size"
+    return f"from {_size(low)}" if high >= 1 << 40 else (
+        f"up to {_size(high)}" if low == 0 else f"{_size(low)}-{_size(high)}")
+
+
+def verdict(ok: bool) -> str:
+    return "met" if ok else "NOT met"
 
 
 def write_medians(doc: dict[str, Any], stem: str, ops: list[str]) -> None:
@@ -160,9 +184,8 @@ def main(argv: list[str] | None = None) -> int:
                 docs.append(json.load(f))
         doc = median_doc(docs)
         write_medians(doc, stem, a.ops.split(","))
-        found = two_rank_targets(doc) if ranks == 2 else four_rank_targets(doc)
-        targets += [f"{ranks} ranks: {line}" for line in found]
-    print("#\n# Targets (float32 all_reduce SUM, in place; medians of the rounds above)")
+        targets += [f"{ranks} ranks: {line}" for line in check_targets(doc, ranks)]
+    print("#\n# Targets (float32, SUM, in place where offered; medians of the rounds above)")
     for line in targets:
         print(f"#   {line}")
     return status

@@ -36,26 +36,31 @@ def test_the_sweep_is_gpucoll_bench_with_peers_and_files_per_rank_count():
 
 def test_two_rank_targets_are_judged_from_the_measured_numbers():
     mib32 = 32 << 20
-    doc = _doc(gpucoll=[_row(8, 20.0, 0.0), _row(mib32, 9000.0, 7.5)],
+    doc = _doc(gpucoll=[_row(8, 6.0, 0.0), _row(mib32, 9000.0, 7.5)],
                gloo=[_row(8, 250.0, 0.0), _row(mib32, 40000.0, 1.5)],
-               mpi=[_row(8, 1.0, 0.0), _row(mib32, 12000.0, 8.0)])
-    lines = sweep.two_rank_targets(doc)
-    assert lines[0].endswith("= 5.0x (target >= 5x): met")
-    assert lines[1].endswith("(target >=): NOT met")
-    assert lines[2].endswith("= 0.080 (target <= 0.1): met")
+               mpi=[_row(8, 1.0, 0.0), _row(mib32, 12000.0, 6.0)])
+    lines = sweep.check_targets(doc, 2)
+    assert lines[0] == "all_reduce at 8 B: time <= 8x Open MPI's: worst 6.00x at 8 B, " \
+                       "1/1 sizes: met"
+    assert lines[1].startswith("all_reduce at 8 B: time <= 0.03x gloo's: worst 0.02x")
+    assert lines[2].endswith("not measured")  # no 64 KiB-4 MiB sizes in the document
+    assert lines[3] == "all_reduce from 16 MiB: busbw >= 1.3x Open MPI's: worst 1.25x at " \
+                       "32 MiB, 0/1 sizes (missed at 32 MiB): NOT met"
+    assert lines[4].endswith("worst 5.00x at 32 MiB, 1/1 sizes: met")
 
 
-def test_four_ranks_must_beat_gloo_at_every_size():
+def test_four_ranks_must_never_be_slower_than_gloo():
     doc = _doc(gpucoll=[_row(8, 30.0, 0.0), _row(64, 500.0, 0.0)],
                gloo=[_row(8, 700.0, 0.0), _row(64, 400.0, 0.0)])
-    assert sweep.four_rank_targets(doc) == [
-        "ahead of gloo at every size: 1/2 sizes (behind at 64 B): NOT met"]
+    never_slower = [line for line in sweep.check_targets(doc, 4) if "gloo" in line]
+    assert never_slower == ["all_reduce at every size: time <= 1x gloo's: worst 1.25x at 64 B, "
+                            "1/2 sizes (missed at 64 B): NOT met"]
 
 
 def test_a_peer_that_did_not_run_leaves_its_target_unjudged():
     doc = _doc(gpucoll=[_row(8, 20.0, 0.0)])
-    assert sweep.two_rank_targets(doc) == []
-    assert sweep.four_rank_targets(doc) == ["ahead of gloo at every size: not measured"]
+    assert all(line.endswith("not measured") for line in sweep.check_targets(doc, 2))
+    assert all(line.endswith("not measured") for line in sweep.check_targets(doc, 4))
 
 
 def test_rounds_merge_into_median_times_with_bandwidths_recomputed():
