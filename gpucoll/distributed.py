@@ -205,8 +205,7 @@ def get_global_rank(group: Any, group_rank: int) -> int:
     ranks = _global_ranks(comm)
     if not isinstance(group_rank, int) or not 0 <= group_rank < len(ranks):
         raise ValueError(f"{_where('get_global_rank')}: group_rank={group_rank!r} is not a rank "
-                         f"of a group "
-                         f"of {len(ranks)}")
+                         f"of a group of {len(ranks)}")
     return ranks[group_rank]
 
 
@@ -304,8 +303,7 @@ def reduce_scatter(output: Any, input_list: list, op: Any = ReduceOp.SUM, group:
     counts = [_numel(t) for t in parts]
     if any(c != _numel(out) for c in counts):
         raise ValueError(f"{_where('reduce_scatter')}: every tensor of input_list must have "
-                         f"output's "
-                         f"{_numel(out)} elements, got {counts}")
+                         f"output's {_numel(out)} elements, got {counts}")
     x = _stack(parts)
     return _result(comm.reduce_scatter(x, _op(op, "reduce_scatter"), tiled=True,
                                        out=_flat(out, "output", "reduce_scatter"),
@@ -488,8 +486,7 @@ def broadcast_object_list(object_list: list, src: int | None = None, group: Any 
     if comm.rank != root:
         if len(got) != len(object_list):
             raise ValueError(f"{_where('broadcast_object_list')}: src sent {len(got)} objects "
-                             f"into a list "
-                             f"of {len(object_list)} on rank {comm.rank}")
+                             f"into an object_list of {len(object_list)}")
         object_list[:] = got
 
 
@@ -526,8 +523,7 @@ def scatter_object_list(scatter_object_output_list: list, scatter_object_input_l
     root = _to_group(comm, src, group_src, "src", "scatter_object_list")
     if not isinstance(scatter_object_output_list, list) or not scatter_object_output_list:
         raise ValueError(f"{_where('scatter_object_list')}: scatter_object_output_list must be a "
-                         f"list of at "
-                         "least one element")
+                         "list of at least one element")
     objs = None
     if comm.rank == root:
         objs = _list(scatter_object_input_list, comm.size, "scatter_object_input_list",
@@ -554,8 +550,7 @@ def recv_object_list(object_list: list, src: int | None = None, group: Any = Non
     got = comm.recv_object(peer)
     if len(got) != len(object_list):
         raise ValueError(f"{_where('recv_object_list')}: rank {peer} sent {len(got)} objects into "
-                         f"a list "
-                         f"of {len(object_list)}")
+                         f"a list of {len(object_list)}")
     object_list[:] = got
     return _global_ranks(comm)[peer]
 
@@ -640,8 +635,7 @@ def _to_group(comm: Communicator, rank: Any, group_rank: Any, name: str, fn: str
     """``name`` (a global rank) or ``group_<name>`` (a rank of ``comm``) as a rank of ``comm``."""
     if tag not in (0, None):
         raise ValueError(f"{_where(fn)}: tag={tag!r}: gpucoll has no message tags (messages "
-                         f"between two "
-                         f"ranks arrive in the order they were sent); leave tag at 0")
+                         "between two ranks arrive in the order they were sent); leave tag at 0")
     if rank is not None and group_rank is not None:
         raise ValueError(f"{_where(fn)}: pass {name} or group_{name}, not both")
     if group_rank is not None:
@@ -654,8 +648,7 @@ def _to_group(comm: Communicator, rank: Any, group_rank: Any, name: str, fn: str
         return ranks.index(rank)
     except ValueError:
         raise ValueError(f"{_where(fn)}: {name}={rank!r} is not a rank of the group (its global "
-                         f"ranks "
-                         f"are {list(ranks)})") from None
+                         f"ranks are {list(ranks)})") from None
 
 
 def _t(tensor: Any, name: str = "tensor", fn: str = "") -> Any:
@@ -729,8 +722,7 @@ def _store_at(init_method: str, rank: Any, world_size: Any, timeout: float | Non
 
     if not init_method.startswith("tcp://"):
         raise ValueError(f"{_where('init_process_group')}: init_method={init_method!r} is not "
-                         f"supported; "
-                         f"use env:// (the launcher's environment) or tcp://HOST:PORT")
+                         "supported; use env:// (the launcher's environment) or tcp://HOST:PORT")
     if rank is None:
         raise ValueError(f"{_where('init_process_group')}: init_method='tcp://...' needs rank and "
                          "world_size")
@@ -812,14 +804,12 @@ def _splits(sizes: Any, tensor: Any, size: int, name: str) -> list[int]:
     if sizes is None:
         if rows % size:
             raise ValueError(f"{_where('all_to_all_single')}: without {name}, dim 0 ({rows}) must "
-                             f"divide "
-                             f"into {size} equal blocks")
+                             f"divide into {size} equal blocks")
         return [rows // size] * size
     sizes = [operator.index(s) for s in sizes]
     if len(sizes) != size or any(s < 0 for s in sizes) or sum(sizes) != rows:
         raise ValueError(f"{_where('all_to_all_single')}: {name}={sizes} must be {size} "
-                         f"non-negative sizes "
-                         f"adding up to dim 0 ({rows})")
+                         f"non-negative sizes adding up to dim 0 ({rows})")
     return sizes
 
 
