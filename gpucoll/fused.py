@@ -116,7 +116,9 @@ def _numpy_groups(c: Call, arrays: Sequence[np.ndarray], op: Any) -> tuple[list,
         i = next(i for i, a in enumerate(arrays) if not a.flags.writeable)
         raise c.fail(ValueError, f"arrays[{i}] is read-only; all_reduce_many writes the result "
                                  f"into it")
-    dtypes = set(map(_DTYPE, arrays))
+    # first-appearance order, the same on every rank: a set's order follows the hash seed,
+    # which differs between processes
+    dtypes = list(dict.fromkeys(map(_DTYPE, arrays)))
     rop = {}
     for dtype in dtypes:
         try:

@@ -10,8 +10,6 @@ from __future__ import annotations
 
 import functools
 import os
-import pathlib
-import re
 import subprocess
 import sys
 import textwrap
@@ -155,15 +153,6 @@ def _launch(*args: str) -> subprocess.CompletedProcess:
 def _train(module: str, out: str) -> None:
     done = _launch(os.path.join(HERE, "torch_training.py"), module, out)
     assert done.returncode == 0, f"{module}:\n{done.stdout}\n{done.stderr}"
-
-
-def test_the_example_of_docs_torch_md_runs_under_gpucoll_run(tmp_path):
-    page = pathlib.Path(HERE).parent / "docs" / "torch.md"
-    (block,) = re.findall(r"```python\n(.*?)```", page.read_text(), re.S)
-    script = tmp_path / "train.py"
-    script.write_text(block)
-    done = _launch(str(script))
-    assert done.returncode == 0, f"{done.stdout}\n{done.stderr}"
 
 
 def test_training_ends_bit_identical_to_torch_distributed_on_gloo(tmp_path):
