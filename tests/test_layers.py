@@ -48,6 +48,7 @@ LAYER_OF = {
     "gpucoll.batch": "communicator",
     "gpucoll.fused": "communicator",
     "gpucoll.groups": "communicator",
+    "gpucoll.distributed": "communicator",
     "gpucoll.backends": "backends",
     "gpucoll.transport": "transport",
     "gpucoll.store": "store",
