@@ -49,7 +49,7 @@ def test_example_passes_its_own_check_on_4_ranks(launch, name):
 
 @pytest.mark.parametrize("name", ["quickstart", "ring_allreduce", "hierarchical", "spmd"])
 def test_example_also_passes_on_an_odd_number_of_ranks(launch, name):
-    job = launch(["-n", "3", "--timeout", "100", example(name)])
+    job = launch(["-n", "3", "--timeout", "100", *LAUNCH_FLAGS.get(name, []), example(name)])
     assert job.finish(timeout=110) == 0, job.text()
     assert "passed" in check_line(job.out(), name)
 
@@ -57,7 +57,8 @@ def test_example_also_passes_on_an_odd_number_of_ranks(launch, name):
 @pytest.mark.parametrize("ranks", [1, 2])
 @pytest.mark.parametrize("name", NAMES)
 def test_example_passes_on_one_and_two_ranks(launch, name, ranks):
-    job = launch(["-n", str(ranks), "--timeout", "100", example(name)])
+    job = launch(["-n", str(ranks), "--timeout", "100", *LAUNCH_FLAGS.get(name, []),
+                  example(name)])
     assert job.finish(timeout=110) == 0, job.text()
     assert "passed" in check_line(job.out(), name)
 
