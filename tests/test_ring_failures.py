@@ -126,15 +126,15 @@ def _time_out_on_rank0(rank, n, addr):
     store, b = open_backend(rank, n, addr, "shm", timeout=LONG)
     try:
         if rank == 0:
-            try:
-                b.all_reduce(ref(np.zeros(4, np.float32)), ReduceOp.SUM, timeout=0.3)
+            try:  # a receive only: nothing of this call reaches rank 1, which joins later
+                b.broadcast(ref(np.zeros(4, np.float32)), 1, timeout=0.3)
             except CollectiveTimeout as exc:
                 return exc
             finally:
                 store.set("rank0-done", "1")
             return None
         store.get("rank0-done", timeout=LONG)  # rank 1 joins only after rank 0 gave up
-        try:  # more data than rank 0 ever sent, so this waits until rank 0's abort arrives
+        try:  # rank 0 sends nothing, so this waits until rank 0's abort arrives
             b.all_reduce(ref(np.zeros(1 << 16, np.float32)), ReduceOp.SUM, timeout=LONG)
         except CollectiveTimeout as exc:
             return exc
@@ -147,7 +147,7 @@ def _time_out_on_rank0(rank, n, addr):
 def test_missing_peer_raises_collective_timeout_naming_op_rank_and_peer(store_addr):
     err, _ = spawn(_time_out_on_rank0, 2, store_addr, timeout=40)
     assert isinstance(err, CollectiveTimeout) and isinstance(err, TimeoutError)
-    assert "all_reduce on rank 0" in str(err) and "rank 1" in str(err)
+    assert "broadcast on rank 0" in str(err) and "rank 1" in str(err)
 
 
 def test_a_rank_that_timed_out_makes_its_peers_fail_fast_with_the_same_diagnosis(store_addr):
