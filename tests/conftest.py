@@ -51,3 +51,16 @@ def store_server():
 def store_addr(store_server) -> str:
     """The address ``tcp://127.0.0.1:PORT`` of this test's store, for ranks to meet at."""
     return f"tcp://127.0.0.1:{store_server.port}"
+
+
+@pytest.fixture
+def rt(store_addr):
+    """The emulated CUDA runtime and NCCL (two devices) in place of the real ones for this test."""
+    from nccl_emulation import EmulatedRuntime
+
+    from gpucoll import cuda
+
+    runtime = EmulatedRuntime(store_addr, devices=2, hang_timeout=10)
+    with cuda.use_runtime(runtime):
+        yield runtime
+    runtime.close()

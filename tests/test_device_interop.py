@@ -11,9 +11,8 @@ import types
 
 import numpy as np
 import pytest
-from nccl_emulation import EmulatedRuntime, FakeDeviceArray
+from nccl_emulation import FakeDeviceArray
 
-from gpucoll import cuda
 from gpucoll.arrays import as_ref, dtype_from_name
 from gpucoll.default import create
 
@@ -92,14 +91,6 @@ class RequiresGrad:
 
     def detach(self):
         return self.memory
-
-
-@pytest.fixture
-def rt(store_addr):
-    runtime = EmulatedRuntime(store_addr, devices=2, hang_timeout=10)
-    with cuda.use_runtime(runtime):
-        yield runtime
-    runtime.close()
 
 
 def _bf16_memory(rt, values):

@@ -12,9 +12,8 @@ import hazard_ranks
 import numpy as np
 import pytest
 from multiproc import spawn
-from nccl_emulation import EmulatedRuntime, FakeDeviceArray
+from nccl_emulation import FakeDeviceArray
 
-from gpucoll import cuda
 from gpucoll.arrays import as_ref
 from gpucoll.backends.nccl.driver import TIMEOUT
 from gpucoll.backends.staged import StagedBackend
@@ -23,14 +22,6 @@ from gpucoll.errors import BackendUnavailable, CollectiveTimeout, GpucollError, 
 from gpucoll.ops import ReduceOp
 
 pytestmark = pytest.mark.timeout(120)
-
-
-@pytest.fixture
-def rt(store_addr):
-    runtime = EmulatedRuntime(store_addr, devices=2, hang_timeout=10)
-    with cuda.use_runtime(runtime):
-        yield runtime
-    runtime.close()
 
 
 @pytest.fixture

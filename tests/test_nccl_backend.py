@@ -7,7 +7,7 @@ import threading
 
 import numpy as np
 import pytest
-from nccl_emulation import INVALID_ARGUMENT, EmulatedRuntime, FakeDeviceArray, NCCLError
+from nccl_emulation import INVALID_ARGUMENT, FakeDeviceArray, NCCLError
 
 from gpucoll import cuda
 from gpucoll.arrays import as_ref
@@ -17,14 +17,6 @@ from gpucoll.ops import ReduceOp
 from gpucoll.store import PrefixStore
 
 pytestmark = pytest.mark.timeout(60)
-
-
-@pytest.fixture
-def rt(store_addr):
-    runtime = EmulatedRuntime(store_addr, devices=2, hang_timeout=10)
-    with cuda.use_runtime(runtime):
-        yield runtime
-    runtime.close()
 
 
 @pytest.fixture
