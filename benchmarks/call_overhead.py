@@ -17,11 +17,17 @@ the call's entry and stamping its start and end (two clock reads). Its budget is
 call; an empty call shows what the timing loop itself costs in each row.
 
     python benchmarks/call_overhead.py [--calls 20000] [--json results/call_overhead.json]
+
+``--record-loop N`` only records N collectives as the communicator does, beside a heap of
+300,000 live objects with the garbage collector on, and prints nothing: run it under
+``valgrind --tool=callgrind`` at two values of N (and with ``--no-record`` for the loop alone) to
+count the recorder's instructions per call, collector included, which load does not move.
 """
 
 from __future__ import annotations
 
 import argparse
+import collections
 import contextlib
 import json
 import math
@@ -46,7 +52,7 @@ from gpucoll.backends.nccl.driver import Driver
 from gpucoll.communicator import Communicator
 from gpucoll.ops import ReduceOp
 from gpucoll.progress import KIND
-from gpucoll.recorder import Recorder, clock, pack
+from gpucoll.recorder import Recorder, clock
 from gpucoll.store import PrefixStore, TCPStore
 
 TARGET_US = 10.0
@@ -220,14 +226,16 @@ def recorder_cases() -> list[tuple[str, Any]]:
     host = np.zeros(1024, np.float32)
     all_reduce, send = KIND["all_reduce"], KIND["send"]
 
+    fields = {"op": ReduceOp.SUM}  # the communicator makes it for its signature in any case
+
     def collective() -> None:
-        rec.signature(7, all_reduce, ref, {"op": ReduceOp.SUM})
-        keep(pack(*rec.current, clock()))
+        rec.signature(7, all_reduce, ref, fields)
+        keep((rec.current, clock()))
         keep(clock())
 
     def point_to_point() -> None:
         rec.point_to_point(send, ref, 1)
-        keep(pack(*rec.current, clock()))
+        keep((rec.current, clock()))
         keep(clock())
 
     def lean() -> None:
@@ -292,12 +300,35 @@ def _measure(client: TCPStore, calls: int) -> list[dict[str, Any]]:
         cuda.set_runtime(previous)
 
 
+def record_loop(calls: int, record: bool = True) -> None:
+    """``calls`` collectives' records, as the communicator makes them, while the program keeps a
+    heap of live objects and a few recent ones (the garbage collector's work included)."""
+    heap = [[i] for i in range(300_000)]  # noqa: F841 - the live objects the collector walks
+    recent: collections.deque = collections.deque(maxlen=50)
+    rec = Recorder()
+    keep, ref, kind = rec.keep, as_ref(np.zeros(1024, np.float32), "x"), KIND["all_reduce"]
+    for seq in range(calls):
+        fields = {"op": ReduceOp.SUM}  # what the communicator makes for its signature anyway
+        recent.append([fields])
+        if record:
+            rec.signature(seq, kind, ref, fields)
+            keep((rec.current, clock()))
+            keep(clock())
+
+
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     parser.add_argument("--calls", type=int, default=20000, help="calls per timed run")
     parser.add_argument("--json", type=Path, default=DEFAULT_JSON,
                         help=f"where to write results (default: {DEFAULT_JSON})")
+    parser.add_argument("--record-loop", type=int, metavar="N",
+                        help="only record N calls, for an instruction count (see above)")
+    parser.add_argument("--no-record", action="store_true",
+                        help="with --record-loop: the loop without recording")
     args = parser.parse_args(argv)
+    if args.record_loop is not None:
+        record_loop(args.record_loop, not args.no_record)
+        return 0
     rows = measure(args.calls)
     print(f"rank 0 of {WORLD}; target <= {TARGET_US:g} us per call, the recorder's share <= "
           f"{RECORDER_TARGET_US:g} us (median wall clock); "

@@ -62,7 +62,7 @@ from gpucoll.guard import entry as _entry
 from gpucoll.objects import ObjectCalls
 from gpucoll.outplace import OutOfPlaceCalls
 from gpucoll.progress import KIND
-from gpucoll.recorder import NO_CALL, Recorder, clock, pack, size_from_env, stream_id
+from gpucoll.recorder import NO_CALL, Recorder, clock, size_from_env, stream_id
 from gpucoll.signature import SignatureCheck
 from gpucoll.store.gather import Liveness, agree_survivors, leave_group, share, wait_for_ranks
 from gpucoll.uneven import UnevenCalls
@@ -628,7 +628,7 @@ class Communicator(OutOfPlaceCalls, UnevenCalls, ObjectCalls, PointToPointCalls,
             call = _wrapped(call, check, timeout, staged, target, stream)
         rec = self._recorder
         if rec.current is NO_CALL:  # a call that kept no signature (an object's send)
-            rec.current = (-1 if seq is None else seq, KIND.get(c.name, 0), -1, -1, -1, -1,
+            rec.current = (-1 if seq is None else seq, KIND.get(c.name, 0), None, -1, None,
                            -1, 0)
         if stream is not None:
             rec.on_stream(stream_id(stream))
@@ -648,7 +648,7 @@ class Communicator(OutOfPlaceCalls, UnevenCalls, ObjectCalls, PointToPointCalls,
         head = self._recorder.current
 
         def run() -> None:
-            keep(pack(*head, clock()))
+            keep((head, clock()))
             progress.enter(seq, kind)
             try:
                 call()
@@ -667,7 +667,7 @@ class Communicator(OutOfPlaceCalls, UnevenCalls, ObjectCalls, PointToPointCalls,
         keep, flight, head = self._keep, self._flight, self._recorder.current
 
         def run() -> None:
-            keep(pack(*head, clock()))
+            keep((head, clock()))
             try:
                 call()
             except BaseException as exc:

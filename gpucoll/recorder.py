@@ -3,36 +3,39 @@
 Each call leaves a record in a ring of about ``capacity`` calls (``GPUCOLL_TRACE_SIZE``, default
 2000; 0 keeps none): its sequence number, call, dtype, element count, root, reduce op, peer and
 stream, and the times it was queued, started and ended, read from the monotonic clock once per
-event. Recording formats nothing and looks nothing up. A call that runs now is one ``bytes``
-object of nine int64 (one C call packs it), which the garbage collector never looks at: a ring
-of thousands of tuples, renewed call after call, made it collect more often and each
-collection slower, and cost more than the recording itself.
-``records()`` turns the ring into dicts only when someone asks (a dump).
+event. Recording converts, formats and looks up nothing: it keeps the objects the call already
+holds (its dtype, its signature's fields) in a tuple, and ``records()`` turns them into numbers
+and names only when someone asks (a dump). An item never holds an array, so the recorder keeps
+no memory of the caller's alive.
 
-The ring is a deque of these items, appended by the thread that makes or runs the call:
+A call's head, made after its checks and kept in ``current`` until the call is issued::
 
-  pack(seq, kind, dtype, count, root, op, peer, stream, started)   a call that runs now
+  (seq, kind, dtype, count, fields, peer, stream)
+
+``seq`` is -1 for sends and receives; ``kind`` is the call's ``progress.KIND``; ``dtype`` the
+array's NumPy dtype (None: no array); ``fields`` the signature's dict (its ``root`` and ``op``
+are read from it), None for a send or receive; ``peer`` -1 for a collective; ``stream`` 0 for the
+default stream. The ring is a deque of these items, appended by the thread that makes or runs
+the call:
+
+  (head, started)                                    a call that runs now
       int                                            ... its end (negative: it failed)
   (seq, kind, dtype, count, root, op, started)      a lean call (NumPy all_reduce or
       int                                            broadcast), and its end
-  ("Q", id, seq, ..., stream, queued)                an async call, issued
+  ("Q", id, head, queued)                            an async call, issued
       ("S", id, started), ("E", id, ended)           ... when it runs
-  ("P", seq, ..., stream, posted)                    a non-blocking send or receive
+  ("P", head, posted)                                a non-blocking send or receive
 
-``seq`` is -1 for sends and receives; ``kind`` is the call's ``progress.KIND``; ``dtype`` the
-NumPy type number; ``op`` an index into ``ReduceOp`` or -1. A lean call keeps the call's own
-dtype and ReduceOp objects instead: cheaper to take, and that path makes too few objects for
-the collector's work to matter (measured: the same with the collector off). A call that runs
-now holds the communicator until its end, so nothing is appended between its two items.
-Reading the ring (a dump) copies the deque in one C call, which no other thread can
-interleave with.
+A call that runs now holds the communicator until its end, so nothing is appended between its
+two items. Reading the ring (a dump) copies the deque in one C call, which no other thread can
+interleave with. (Packing each record into int64s as it is made, so that the garbage collector
+never watches it, cost three times as much per call as these tuples cost the collector.)
 """
 
 from __future__ import annotations
 
 import collections
 import os
-import struct
 import time
 from typing import Any
 
@@ -45,12 +48,9 @@ SIZE_VARIABLE = "GPUCOLL_TRACE_SIZE"
 MAX_SIZE = 1 << 20
 
 clock = time.monotonic_ns  # the one clock read per event
-# a call that runs now: seq, call kind, dtype number, count, root, op code, peer, stream, started
-pack = struct.Struct("<9q").pack
-_UNPACK = struct.Struct("<9q").unpack
-NO_CALL = (-1, 0, -1, -1, -1, -1, -1, 0)  # a signature: all of the above but the time
+NO_CALL = (-1, 0, None, -1, None, -1, 0)  # a head: seq, kind, dtype, count, fields, peer, stream
 _OPS = tuple(ReduceOp)
-OP_CODES = {op.value: i for i, op in enumerate(_OPS)}  # by value: a str hashes fast
+OP_CODES = {op.value: i for i, op in enumerate(_OPS)}
 _DTYPE_NAMES: dict[int, str] = {}
 
 
@@ -89,33 +89,28 @@ class Recorder:
 
     def signature(self, seq: int, kind: int, ref: Any, fields: dict[str, Any]) -> None:
         """Collective ``seq`` of ``kind`` (``progress.KIND``) passed its checks: ``ref`` is its
-        array (or None), ``fields`` its signature's ``root`` and ``op``."""
-        op = fields.get("op")
-        if op is not None:  # a ReduceOp, or its name (as some calls give it)
-            op = OP_CODES.get(op if type(op) is str else op._value_, -1)
-        root = fields.get("root", -1)
-        self.current = (seq, kind, -1 if ref is None else ref.dtype.num,
-                        -1 if ref is None else ref.count, root if type(root) is int else -1,
-                        -1 if op is None else op, -1, 0)
+        array (or None), ``fields`` its signature's fields (``root``, ``op``, ...)."""
+        self.current = (seq, kind, None, -1, fields, -1, 0) if ref is None else \
+            (seq, kind, ref.dtype, ref.count, fields, -1, 0)
 
     def point_to_point(self, kind: int, ref: Any, peer: int) -> None:
         """A send or receive with ``peer`` passed its checks."""
-        self.current = (-1, kind, ref.dtype.num, ref.count, -1, -1, peer, 0)
+        self.current = (-1, kind, ref.dtype, ref.count, None, peer, 0)
 
     def on_stream(self, stream: int) -> None:
         """The current call runs on ``stream`` (a number, see ``stream_id``)."""
-        self.current = self.current[:7] + (stream,)
+        self.current = self.current[:6] + (stream,)
 
     def issued(self) -> int:
         """The current call was queued to run later; the id its start and end name."""
         n = self._ids
         self._ids = n + 1
-        self.keep(("Q", n) + self.current + (clock(),))
+        self.keep(("Q", n, self.current, clock()))
         return n
 
     def posted(self) -> None:
         """The current call, a non-blocking send or receive, was posted."""
-        self.keep(("P",) + self.current + (clock(),))
+        self.keep(("P", self.current, clock()))
 
     def snapshot(self) -> list[list]:
         """The last ``capacity`` calls held now, oldest first, each as ``[seq, call, dtype,
@@ -128,20 +123,18 @@ class Recorder:
             if type(item) is int:
                 if running is not None:
                     running[10], running = item, None
-            elif type(item) is bytes:
-                fields = _UNPACK(item)
-                running = [*fields[:8], 0, fields[8], 0]
+            elif type(item[0]) is tuple:
+                running = [*_numbers(item[0]), 0, item[1], 0]
                 calls.append(running)
-            elif type(item[0]) is int:  # a lean call: its dtype and op are objects
+            elif type(item[0]) is int:  # a lean call
                 seq, kind, dtype, count, root, op, started = item
-                running = [seq, kind, dtype.num, count, root,
-                           -1 if op is None else OP_CODES[op.value], -1, 0, 0, started, 0]
+                running = [seq, kind, dtype.num, count, root, _op_code(op), -1, 0, 0, started, 0]
                 calls.append(running)
             elif item[0] == "Q":
-                issued[item[1]] = entry = [*item[2:10], item[10], 0, 0]
+                issued[item[1]] = entry = [*_numbers(item[2]), item[3], 0, 0]
                 calls.append(entry)
             elif item[0] == "P":
-                calls.append([*item[1:9], -1, item[9], 0])
+                calls.append([*_numbers(item[1]), -1, item[2], 0])
             elif item[1] in issued:
                 issued[item[1]][9 if item[0] == "S" else 10] = item[2]
         return calls[-self.capacity:] if self.capacity else []
@@ -149,6 +142,26 @@ class Recorder:
     def records(self) -> list[dict[str, Any]]:
         """The calls as dicts of names and wall-clock microseconds (see ``record``)."""
         return [record(e, self.wall_offset) for e in self.snapshot()]
+
+
+def _numbers(head: tuple) -> list[int]:
+    """A head as numbers: seq, kind, dtype number, count, root, op code, peer, stream (-1 for
+    what the call has not)."""
+    seq, kind, dtype, count, fields, peer, stream = head
+    root, op = -1, -1
+    if fields:
+        root = fields.get("root", -1)
+        root = root if type(root) is int else -1
+        op = _op_code(fields.get("op"))
+    return [seq, kind, -1 if dtype is None else dtype.num, count, root, op, peer, stream]
+
+
+def _op_code(op: Any) -> int:
+    """The index in ``ReduceOp`` of ``op`` (a ReduceOp or its name); -1 for None or for
+    anything else (the ops of a fused call that differ by dtype)."""
+    if isinstance(op, ReduceOp):
+        op = op.value  # an Enum hashes by its name, not its value
+    return OP_CODES.get(op, -1) if isinstance(op, str) else -1
 
 
 def record(entry: list, wall_offset: int) -> dict[str, Any]:

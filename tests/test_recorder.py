@@ -15,7 +15,7 @@ from gpucoll.arrays import as_ref
 from gpucoll.dumps import write_files
 from gpucoll.ops import ReduceOp
 from gpucoll.progress import KIND
-from gpucoll.recorder import Recorder, clock, pack, size_from_env
+from gpucoll.recorder import Recorder, clock, size_from_env
 
 pytestmark = pytest.mark.timeout(120)
 
@@ -23,7 +23,7 @@ pytestmark = pytest.mark.timeout(120)
 def _call(rec: Recorder, seq: int, ok: bool = True, **fields) -> None:
     """As the communicator records a collective that runs now."""
     rec.signature(seq, KIND["all_reduce"], as_ref(np.zeros(3, np.float32), "x"), fields)
-    rec.keep(pack(*rec.current, clock()))
+    rec.keep((rec.current, clock()))
     rec.keep(clock() if ok else -clock())
 
 
@@ -59,12 +59,29 @@ def test_an_async_call_is_queued_then_started_then_ended():
     assert now["seq"] == 1 and now["state"] == "done"
 
 
-def test_a_call_that_runs_now_leaves_nothing_the_garbage_collector_watches():
+def test_a_record_keeps_no_array_alive():
     import gc
+    import weakref
 
     rec = Recorder(8)
-    _call(rec, 0, op=ReduceOp.SUM)
-    assert len(rec.entries) == 2 and not any(gc.is_tracked(item) for item in rec.entries)
+    x = np.zeros(1000, np.float32)
+    gone = weakref.ref(x)
+    rec.signature(0, KIND["all_reduce"], as_ref(x, "x"), {"op": ReduceOp.SUM})
+    rec.keep((rec.current, clock()))
+    rec.keep(clock())
+    rec.point_to_point(KIND["send"], as_ref(x, "x"), 1)
+    rec.posted()
+    del x
+    gc.collect()
+    assert gone() is None and len(rec.records()) == 2
+
+
+def test_a_fused_call_whose_ops_differ_by_dtype_records_no_single_op():
+    rec = Recorder(8)
+    rec.signature(0, KIND["all_reduce_many"], None, {"op": ["max", "sum"]})
+    rec.issued()
+    (entry,) = rec.records()
+    assert "op" not in entry and entry["seq"] == 0
 
 
 def test_the_recorder_keeps_the_last_n_calls_oldest_first():
