@@ -67,8 +67,11 @@ def _outcome(exc: BaseException, side, key: str = "died") -> tuple:
     return type(exc).__name__, getattr(exc, "peer", None), str(exc), since
 
 
-def _check(outcome, kind: type, peer: int | None, *words: str) -> None:
-    name, named, text, since = outcome
+def _check(o, kind: type, peer: int | None, *words: str) -> None:
+    """Rank outcome ``o`` raised ``kind`` naming ``peer`` and ``words``, within BOUND_S."""
+    assert o.error is None and o.value is not None, \
+        f"rank {o.rank} raised no GpucollError: {o.error!r}\n{o.trace}"
+    name, named, text, since = o.value
     assert name == kind.__name__, text
     if peer is not None:
         assert named == peer, text
@@ -96,7 +99,7 @@ def _root_dies_before_scatter(rank, n, addr):
 def test_a_root_killed_before_scatter_fails_the_waiting_ranks_fast(store_addr, transport, n):
     outcomes = spawn(_root_dies_before_scatter, n, store_addr, env=_env(transport), check=False)
     for o in outcomes[1:]:
-        _check(o.value, PeerFailure, 0, "scatter #1 on rank", "rank 0")
+        _check(o, PeerFailure, 0, "scatter #1 on rank", "rank 0")
 
 
 def _rank_dies_before_split(rank, n, addr):
@@ -116,7 +119,7 @@ def _rank_dies_before_split(rank, n, addr):
 def test_a_rank_killed_before_split_fails_the_others_fast(store_addr, transport, n):
     outcomes = spawn(_rank_dies_before_split, n, store_addr, env=_env(transport), check=False)
     for o in outcomes[:-1]:
-        _check(o.value, PeerFailure, n - 1, "split #1 on rank", f"rank {n - 1}")
+        _check(o, PeerFailure, n - 1, "split #1 on rank", f"rank {n - 1}")
 
 
 def _rank_dies_before_debug_check(rank, n, addr):
@@ -137,7 +140,7 @@ def test_a_rank_killed_before_the_debug_check_fails_the_others_fast(store_addr, 
     outcomes = spawn(_rank_dies_before_debug_check, n, store_addr, check=False,
                      env=_env(transport, GPUCOLL_DEBUG="1"))
     for o in outcomes[:-1]:
-        _check(o.value, PeerFailure, n - 1, "all_reduce on rank", f"rank {n - 1} died")
+        _check(o, PeerFailure, n - 1, "all_reduce on rank", f"rank {n - 1} died")
 
 
 def _rank_dies_in_set_up(rank, n, addr):
@@ -157,7 +160,7 @@ def _rank_dies_in_set_up(rank, n, addr):
 def test_a_rank_killed_during_set_up_is_named_fast(store_addr, transport, n):
     outcomes = spawn(_rank_dies_in_set_up, n, store_addr, env=_env(transport), check=False)
     for o in outcomes[:-1]:
-        _check(o.value, PeerFailure, n - 1, "ring set-up on rank", f"rank {n - 1} died")
+        _check(o, PeerFailure, n - 1, "ring set-up on rank", f"rank {n - 1} died")
 
 
 def _store_host_dies(rank, n, addr, port):
@@ -185,7 +188,7 @@ def test_losing_the_store_that_rank_0_hosts_names_rank_0(store_addr, transport, 
     outcomes = spawn(_store_host_dies, n, store_addr, port, check=False,
                      env=_env(transport, GPUCOLL_DEBUG="1"))
     for o in outcomes[1:]:
-        _check(o.value, PeerFailure, 0, "all_reduce on rank", "lost the store, which rank 0")
+        _check(o, PeerFailure, 0, "all_reduce on rank", "lost the store, which rank 0")
 
 
 def _killed_mid_all_reduce(rank, n, addr):
@@ -207,7 +210,7 @@ def test_a_rank_killed_mid_collective_is_named_by_every_survivor(store_addr, tra
     outcomes = spawn(_killed_mid_all_reduce, n, store_addr, env=_env(transport), check=False)
     assert outcomes[1].exitcode == -signal.SIGKILL
     for o in outcomes[:1] + outcomes[2:]:
-        _check(o.value, PeerFailure, 1, "all_reduce #", "rank 1")
+        _check(o, PeerFailure, 1, "all_reduce #", "rank 1")
 
 
 # -- 2. point to point makes progress in every order MPI allows -----------------------------
@@ -309,7 +312,7 @@ def test_sending_to_a_rank_that_left_is_a_peer_failure_not_a_loss(store_addr, tr
                                                                   how, call):
     outcomes = spawn(_send_after_peer_left, n, store_addr, how, call, env=_env(transport),
                      check=False)
-    _check(outcomes[0].value, PeerFailure, 1, "rank 1")
+    _check(outcomes[0], PeerFailure, 1, "rank 1")
 
 
 def _first_finisher_closes(rank, n, addr):
@@ -337,7 +340,7 @@ def _first_finisher_closes(rank, n, addr):
 def test_a_size_disagreement_is_caught_even_when_one_side_finishes_first(store_addr,
                                                                          transport, n):
     outcomes = spawn(_first_finisher_closes, n, store_addr, env=_env(transport), check=False)
-    _check(outcomes[1].value, CollectiveMismatch, None, "float32", "4 elements", "5 elements")
+    _check(outcomes[1], CollectiveMismatch, None, "float32", "4 elements", "5 elements")
     name, _, text, _ = outcomes[0].value  # the root does not leave believing all went well
     assert name in ("CollectiveMismatch", "PeerFailure"), text
 
@@ -363,7 +366,7 @@ def test_a_rank_waiting_on_one_that_closed_fails_at_once(store_addr, transport, 
     outcomes = spawn(_wait_on_a_rank_that_closed, n, store_addr, env=_env(transport),
                      check=False)
     for o in outcomes[:-1]:
-        _check(o.value, PeerFailure, n - 1, "closed")
+        _check(o, PeerFailure, n - 1, "closed")
 
 
 # -- 4. and 7. and 12. an argument error on one rank never desynchronises the others --------
@@ -566,7 +569,7 @@ def test_ranks_that_make_different_calls_all_raise_a_mismatch_naming_both(store_
         if case == "root" and o.rank == 2:
             continue  # it only received root 0's data, as it expected: its result is right
         assert o.value is not None, f"rank {o.rank} returned without an error: {o.trace}"
-        _check(o.value, CollectiveMismatch, None, "disagree")
+        _check(o, CollectiveMismatch, None, "disagree")
 
 
 # -- 9. a stopped rank is named, with where it stopped --------------------------------------
