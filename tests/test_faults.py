@@ -60,6 +60,17 @@ def _die(side, key: str = "died") -> None:
     os.kill(os.getpid(), signal.SIGKILL)
 
 
+def _barrier_then_die(comm, side, dying: int) -> None:
+    """A barrier, after which rank ``dying`` dies once every other rank has left it: its death
+    falls in the call under test, never in the barrier's last messages (a socket closed by a
+    kill may discard what it sent last)."""
+    comm.barrier()
+    if comm.rank == dying:
+        side.wait([f"past/{r}" for r in range(comm.size) if r != dying], timeout=LONG)
+        _die(side)
+    side.set(f"past/{comm.rank}", b"")
+
+
 def _outcome(exc: BaseException, side, key: str = "died") -> tuple:
     """What a survivor saw: the error's type, the rank it names, its text, and how many seconds
     after the event recorded under ``key`` it came."""
@@ -85,9 +96,7 @@ def _check(o, kind: type, peer: int | None, *words: str) -> None:
 def _root_dies_before_scatter(rank, n, addr):
     side = _side(addr)
     with _open(rank, n, addr) as comm:
-        comm.barrier()
-        if rank == 0:
-            _die(side)
+        _barrier_then_die(comm, side, 0)
         try:
             comm.scatter(None, root=0)
         except GpucollError as exc:
@@ -105,9 +114,7 @@ def test_a_root_killed_before_scatter_fails_the_waiting_ranks_fast(store_addr, t
 def _rank_dies_before_split(rank, n, addr):
     side = _side(addr)
     with _open(rank, n, addr) as comm:
-        comm.barrier()
-        if rank == n - 1:
-            _die(side)
+        _barrier_then_die(comm, side, n - 1)
         try:
             comm.split(0)
         except GpucollError as exc:
@@ -125,9 +132,7 @@ def test_a_rank_killed_before_split_fails_the_others_fast(store_addr, transport,
 def _rank_dies_before_debug_check(rank, n, addr):
     side = _side(addr)
     with _open(rank, n, addr) as comm:
-        comm.barrier()
-        if rank == n - 1:
-            _die(side)
+        _barrier_then_die(comm, side, n - 1)
         try:
             comm.all_reduce(np.ones(4))
         except GpucollError as exc:
@@ -169,9 +174,7 @@ def _store_host_dies(rank, n, addr, port):
                       GPUCOLL_MASTER_ADDR="127.0.0.1", GPUCOLL_MASTER_PORT=str(port))
     comm = gpucoll.init("ring", timeout=LONG)  # rank 0 hosts the job's store
     try:
-        comm.barrier()
-        if rank == 0:
-            _die(side)
+        _barrier_then_die(comm, side, 0)
         comm.all_reduce(np.ones(4))
     except GpucollError as exc:
         return _outcome(exc, side)
