@@ -13,8 +13,16 @@ communicator's lean path runs them (best of several timeit repeats, so other loa
 machine counts little): the frame header built for the call's messages, its check against a
 received header, the progress record's marks, and the fork and second-thread guard.
 
+``--share`` puts the frame header's cost beside a large call: two ranks on shared memory run
+``--share-mib`` MiB float32 all_reduces, counting in each rank the messages one call sends and
+receives (each carries a header of 32 bytes, each received one is checked) and timing the calls;
+the header's share of a call is then one build plus a check per received message, from
+``--cost``'s figures, over the call's median time, and its bytes over the bytes the call sends.
+That share of the time is the share of busbw it costs.
+
     python benchmarks/faults.py [--ranks 3] [--repeats 5] [--json results/faults.json]
     python benchmarks/faults.py --cost
+    python benchmarks/faults.py --share [--share-mib 32] [--calls 40]
 """
 
 from __future__ import annotations
@@ -140,6 +148,82 @@ def run_once(name: str, size: int, transport: str, deadline: float) -> list[tupl
     return sorted(got)
 
 
+def _share_rank(rank: int, port: int, mib: int, calls: int, results) -> None:
+    """One rank of ``--share``: (messages sent, received, bytes sent) in one call, and the
+    calls' median seconds."""
+    from gpucoll.backends import ring_algos
+    from gpucoll.transport.engine import FRAME_BYTES
+
+    counts = {"send": 0, "recv": 0, "bytes": 0}
+
+    def counting(method, kind):
+        def wrapper(self, peer, arr, *args, **kwargs):
+            counts[kind] += 1
+            if kind == "send":
+                counts["bytes"] += arr.nbytes + FRAME_BYTES
+            return method(self, peer, arr, *args, **kwargs)
+        return wrapper
+
+    step = ring_algos.Step
+    step.send = counting(step.send, "send")
+    step.recv = counting(step.recv, "recv")
+    step.reduce_from = counting(step.reduce_from, "recv")
+    os.environ["GPUCOLL_TRANSPORT"] = "shm"
+    x = np.ones(mib << 18, np.float32)
+    with gpucoll.init("ring", rank=rank, world_size=2, store=f"tcp://127.0.0.1:{port}",
+                      timeout=60) as comm:
+        comm.all_reduce(x)  # one call, counted (and a warm-up)
+        one = dict(counts)
+        times = []
+        for _ in range(calls):
+            start = time.perf_counter()
+            comm.all_reduce(x)
+            times.append(time.perf_counter() - start)
+    results.put((rank, one, statistics.median(times)))
+
+
+def header_share(mib: int, calls: int) -> dict:
+    """The frame header's share of a ``mib`` MiB all_reduce at 2 ranks (see ``--share``)."""
+    ctx = mp.get_context("spawn")
+    results = ctx.Queue()
+    with TCPStore("127.0.0.1", 0, is_server=True, timeout=60) as server:
+        procs = [ctx.Process(target=_share_rank, args=(r, server.port, mib, calls, results))
+                 for r in range(2)]
+        for p in procs:
+            p.start()
+        try:
+            got = sorted(results.get(timeout=600) for _ in procs)
+        finally:
+            for p in procs:
+                p.join(30)
+                if p.is_alive():
+                    p.kill()
+    costs = dict(guard_costs(number=100_000, repeat=5))
+    build, check = costs["frame header (build)"], costs["frame header (check)"]
+    rows = []
+    for rank, one, seconds in got:
+        ns = build + one["recv"] * check
+        rows.append({"rank": rank, "sent": one["send"], "received": one["recv"],
+                     "call_s": seconds, "header_ns": ns,
+                     "time_share": ns / (seconds * 1e9),
+                     "byte_share": one["send"] * 32 / one["bytes"]})
+    return {"mib": mib, "calls": calls, "build_ns": build, "check_ns": check, "ranks": rows}
+
+
+def print_share(report: dict, json_path: Path) -> None:
+    print(f"# The frame header's share of a {report['mib']} MiB float32 all_reduce, 2 ranks, "
+          f"shm ({report['calls']} calls; header build {report['build_ns']:.0f} ns, check "
+          f"{report['check_ns']:.0f} ns; load average {os.getloadavg()[0]:.1f})")
+    print(f"  {'rank':<6}{'sent':>6}{'recvd':>7}{'call ms':>10}{'header ns':>11}"
+          f"{'time share':>12}{'byte share':>12}")
+    for r in report["ranks"]:
+        print(f"  {r['rank']:<6}{r['sent']:>6}{r['received']:>7}{r['call_s'] * 1e3:>10.2f}"
+              f"{r['header_ns']:>11.0f}{r['time_share']:>12.5%}{r['byte_share']:>12.6%}")
+    json_path.parent.mkdir(parents=True, exist_ok=True)
+    json_path.write_text(json.dumps(report, indent=1))
+    print(f"# wrote {json_path}")
+
+
 def guard_costs(number: int = 200_000, repeat: int = 7) -> list[tuple[str, float]]:
     """Nanoseconds per call of each always-on guard (best of ``repeat`` timeit runs)."""
     import threading
@@ -197,7 +281,16 @@ def main(argv: list[str] | None = None) -> None:
     parser.add_argument("--json", type=Path, default=DEFAULT_JSON)
     parser.add_argument("--cost", action="store_true",
                         help="measure what the always-on guards cost a call instead")
+    parser.add_argument("--share", action="store_true",
+                        help="measure the frame header's share of a large call instead")
+    parser.add_argument("--share-mib", type=int, default=32)
+    parser.add_argument("--calls", type=int, default=40, help="timed calls for --share")
     args = parser.parse_args(argv)
+    if args.share:
+        print_share(header_share(args.share_mib, args.calls),
+                    args.json.with_name("header_share.json") if args.json == DEFAULT_JSON
+                    else args.json)
+        return
     if args.cost:
         print_costs(args.json.with_name("guard_costs.json") if args.json == DEFAULT_JSON
                     else args.json)
