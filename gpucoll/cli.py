@@ -14,7 +14,7 @@ COMMANDS = {
     "store": ("gpucoll.store.server", "run a standalone key-value store for multi-node jobs"),
     "selftest": ("gpucoll.selftest", "check the GPU path on this machine's GPUs; a report to "
                                      "paste"),
-    "doctor": ("gpucoll.doctor.cli", "say which rank is stuck where, from the flight recorders"),
+    "doctor": ("gpucoll.doctor", "say which rank is stuck where, from the flight recorders"),
 }
 
 

@@ -12,7 +12,7 @@ from gpucoll import cuda
 
 
 class EmulatedArrays:
-    """``gpucoll.selftest.checks.CupyArrays`` on the emulation."""
+    """``gpucoll.selftest.CupyArrays`` on the emulation."""
 
     def __init__(self, rt: EmulatedRuntime):
         self.rt = rt

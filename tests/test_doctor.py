@@ -20,7 +20,7 @@ import pytest
 from multiproc import spawn
 
 import gpucoll
-from gpucoll.doctor import cli
+import gpucoll.doctor
 from gpucoll.errors import CollectiveMismatch, CollectiveTimeout, PeerFailure
 
 pytestmark = pytest.mark.timeout(180)
@@ -42,7 +42,7 @@ def _open(rank: int, n: int, addr: str, timeout: float = LONG):
 
 def doctor(capsys, *args: str) -> tuple[int, str]:
     """Run ``gpucoll doctor ARGS`` in this process: (exit status, what it printed)."""
-    code = cli.main(list(args))
+    code = gpucoll.doctor.main(list(args))
     out = capsys.readouterr()
     return code, out.out + out.err
 

@@ -14,7 +14,7 @@ from conftest import cuda_available
 from nccl_emulation import EmulatedRuntime
 
 from gpucoll import cuda, selftest
-from gpucoll.selftest.report import render
+from gpucoll.selftest import render
 
 pytestmark = pytest.mark.timeout(300)
 

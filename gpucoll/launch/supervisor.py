@@ -8,8 +8,8 @@ In a job of several nodes, a failure on another node stops this node's ranks the
 With ``keep_going`` a rank that fails is reported and the others go on.
 
 When ``timeout`` passes, the launcher first asks ``gpucoll doctor`` where every rank is (and
-prints the answer under the ranks' output, see ``checkup``); SIGUSR1 asks it the same while the
-job runs on. The ranks write their flight-recorder dumps into the job's trace directory.
+prints the answer under the ranks' output); SIGUSR1 asks it the same while the job runs on. The
+ranks write their flight-recorder dumps into the job's trace directory.
 
 Also here, in the order the loop uses them:
 
@@ -26,7 +26,12 @@ Also here, in the order the loop uses them:
 - signals to the launcher (SIGINT, SIGTERM, SIGHUP, and SIGUSR1 that asks for a diagnosis and
   stops nothing), which only post an event (``SimpleQueue.put`` is safe in a signal handler), so
   the loop decides;
-- how it tells what happened: exit codes, signal names, the root-cause report.
+- how it tells what happened: exit codes, signal names, the root-cause report;
+- asking ``gpucoll doctor`` about the job: the launcher first writes what it knows of its
+  ranks' processes (``launcher.json`` in the job's trace directory: pid, running or stopped,
+  how a finished one ended), then runs the doctor against the job's store in a process of its
+  own (the doctor is a command above the launcher), which asks every rank for its flight
+  recorder; each rank also writes its dump into the trace directory.
 """
 
 from __future__ import annotations
@@ -36,6 +41,7 @@ import contextlib
 import ctypes
 import ctypes.util
 import dataclasses
+import json
 import os
 import queue
 import secrets
@@ -46,9 +52,8 @@ import tempfile
 import threading
 import time
 from collections.abc import Iterator
-from typing import BinaryIO
+from typing import Any, BinaryIO
 
-from gpucoll.launch import checkup
 from gpucoll.launch.config import Binding, LaunchConfig, rank_env
 from gpucoll.rendezvous import store_url
 
@@ -338,6 +343,67 @@ class RemoteAbort:
     reason: str
 
 
+# ---- asking the doctor about the job -------------------------------------------------------------
+
+FACTS_FILE = "launcher.json"
+DOCTOR_WAIT_S = 5.0  # how long the ranks get to answer (a loaded machine is slow to)
+DOCTOR_LIMIT_S = 30.0  # the doctor's whole run, at most
+
+
+def process_state(pid: int | None) -> str:
+    """``running``, ``stopped`` (SIGSTOP or a debugger) or ``gone``, from /proc."""
+    if pid is None:
+        return "gone"
+    try:
+        with open(f"/proc/{pid}/stat") as f:
+            state = f.read().rsplit(")", 1)[1].split()[0]
+    except (OSError, IndexError):
+        return "gone"
+    return {"T": "stopped", "t": "stopped", "Z": "gone", "X": "gone"}.get(state, "running")
+
+
+def clear_dumps(trace_dir: str) -> None:
+    """Remove the dumps and facts an earlier job left in ``trace_dir`` (and nothing else)."""
+    try:
+        names = os.listdir(trace_dir)
+    except OSError:
+        return
+    for name in names:
+        if name == FACTS_FILE or (name.startswith("rank-") and name.endswith(".trace.jsonl")):
+            try:
+                os.unlink(os.path.join(trace_dir, name))
+            except OSError:
+                pass
+
+
+def save_facts(trace_dir: str, known: dict[str, Any]) -> str:
+    """Write ``known`` (the launcher's facts about its ranks) where ``gpucoll doctor DIR``
+    finds it; its path."""
+    path = os.path.join(trace_dir, FACTS_FILE)
+    os.makedirs(trace_dir, exist_ok=True)
+    with open(path, "w") as f:
+        json.dump(known, f, indent=1)
+    return path
+
+
+def run_doctor(store_url: str, token: str, trace_dir: str, known: dict[str, Any]) -> str:
+    """The doctor's report on the job (its stdout and stderr), with ``known`` facts saved
+    beside the ranks' dumps first."""
+    try:
+        path = save_facts(trace_dir, known)
+    except OSError as exc:
+        return f"gpucoll doctor: could not write the launcher's facts in {trace_dir}: {exc}"
+    argv = [sys.executable, "-m", "gpucoll", "doctor", store_url, "--facts", path,
+            "--wait", str(DOCTOR_WAIT_S)]
+    env = {**os.environ, "GPUCOLL_STORE_TOKEN": token}
+    try:
+        done = subprocess.run(argv, env=env, capture_output=True, text=True,
+                              timeout=DOCTOR_LIMIT_S, stdin=subprocess.DEVNULL)
+    except (OSError, subprocess.TimeoutExpired) as exc:
+        return f"gpucoll doctor: did not finish: {exc}"
+    return (done.stdout + done.stderr).rstrip("\n")
+
+
 # ---- the job -------------------------------------------------------------------------------------
 
 OUTPUT_DRAIN = 5.0  # seconds to wait for a finished rank's last output
@@ -392,7 +458,7 @@ class Job:
         if not self.trace_dir:  # a name only: the first rank that writes a dump makes it
             self.trace_dir = os.path.join(tempfile.gettempdir(),
                                           f"gpucoll-run-{os.getpid()}-{secrets.token_hex(4)}")
-        checkup.clear_dumps(self.trace_dir)  # an earlier job's would mix with this one's
+        clear_dumps(self.trace_dir)  # an earlier job's would mix with this one's
         self.start = time.monotonic()
         if self.cfg.timeout is not None:
             self.deadlines.job = self.start + self.cfg.timeout
@@ -504,7 +570,7 @@ class Job:
         the job answers through)."""
         if self.cfg.node_rank != 0:
             return "gpucoll run: the diagnosis is node 0's (its launcher hosts the job's store)"
-        return checkup.run_doctor(self.store_url, self.token, self.trace_dir, self._facts())
+        return run_doctor(self.store_url, self.token, self.trace_dir, self._facts())
 
     def _facts(self) -> dict:
         """What the launcher knows of each of its ranks, as the doctor reads it: pid, running
@@ -519,7 +585,7 @@ class Job:
                         "how": describe(ended.returncode), "time": round(ended.time + wall, 3),
                         "after_s": round(ended.time - self.start, 2)}
             else:
-                fact = {"pid": proc.pid, "state": checkup.process_state(proc.pid)}
+                fact = {"pid": proc.pid, "state": process_state(proc.pid)}
             if proc.rank in self.sent:
                 fact["stopped_by_launcher"] = signal.Signals(self.sent[proc.rank]).name
             out[str(proc.rank)] = fact
@@ -595,7 +661,7 @@ class Job:
             if os.path.isdir(self.trace_dir) else []
         if dumps:
             if not self.diagnosis:  # else keep what the launcher knew when the job hung
-                checkup.save_facts(self.trace_dir, self._facts())
+                save_facts(self.trace_dir, self._facts())
             self._note(f"flight recorders of {len(dumps)} rank(s) in {self.trace_dir}; "
                        f"`gpucoll doctor {self.trace_dir}` reads them")
 

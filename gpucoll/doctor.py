@@ -1,27 +1,148 @@
-"""The doctor's verdict on each communicator of a job, from its ranks' records.
+"""``gpucoll doctor``: read every rank's flight recorder and say what went wrong.
 
-For one group it finds:
-  - where every rank is (its progress record, or a same-host peer's read of it when the rank
-    cannot answer) and which ranks are behind, and for how long the others have waited;
-  - the first sequence number at which the ranks diverged: the first collective some rank
-    never entered while others did, or that ranks called with different signatures;
-  - signatures that do not match, naming the ranks on each side;
-  - which rank failed first and how (its error, or its death as the store's will or the
-    launcher saw it), and what the others raised after.
-A verdict is a problem when ranks disagree, a rank failed, died or cannot be reached, or ranks
-at different calls have waited longer than ``patience`` seconds.
+    gpucoll doctor DIR                      the dumps ranks wrote (GPUCOLL_TRACE_DIR, --tee DIR)
+    gpucoll doctor tcp://host:port          a live job, through its store, while it hangs
+    gpucoll doctor SOURCE --timeline t.json also write a Chrome trace of every rank's calls
+
+Exit status: 0 when nothing is wrong, 1 when the doctor found a problem, 2 when it could not
+read anything.
+
+What is here, in this order:
+
+- the command: its arguments, the evidence read (``gpucoll.dumps`` reads it: the dump files
+  in a directory, or a live job's answers and summaries through its store), and the verdicts
+  in words or as JSON;
+- the diagnosis: the verdict on each communicator of the job. For one group it finds:
+    - where every rank is (its progress record, or a same-host peer's read of it when the
+      rank cannot answer) and which ranks are behind, and for how long the others have waited;
+    - the first sequence number at which the ranks diverged: the first collective some rank
+      never entered while others did, or that ranks called with different signatures;
+    - signatures that do not match, naming the ranks on each side;
+    - which rank failed first and how (its error, or its death as the store's will or the
+      launcher saw it), and what the others raised after.
+  A verdict is a problem when ranks disagree, a rank failed, died or cannot be reached, or
+  ranks at different calls have waited longer than ``patience`` seconds;
+- the timeline: every rank's recorded calls as one Chrome trace (Trace Event Format), for
+  Perfetto or chrome://tracing: a row per rank, a slice per call from its start to its end.
+  Each rank is a process (``rank R``, in job-rank order) and each communicator it belongs to a
+  thread of it, so a job with one communicator has one row per rank. A call still running when
+  the record was taken lasts until then; a failed call says so in its name and arguments, and
+  the error is an instant event at the moment it was raised. Times are microseconds from the
+  earliest call in the trace.
 """
 
 from __future__ import annotations
 
+import argparse
 import dataclasses
+import json
+import os
 import re
+import sys
 import time
 from typing import Any
 
-from gpucoll.doctor.records import Evidence, Group, RankRecord
+from gpucoll.dumps import (
+    Evidence,
+    EvidenceError,
+    Group,
+    RankRecord,
+    ask_store,
+    read_dir,
+    read_facts,
+)
+from gpucoll.errors import GpucollError
 from gpucoll.progress import IN_CALL, Position
 
+# -- the command ------------------------------------------------------------------------------
+WAIT_S = 3.0
+
+
+def parser() -> argparse.ArgumentParser:
+    p = argparse.ArgumentParser(
+        prog="gpucoll doctor", description="Say which rank is stuck where, which ranks "
+        "disagree, and which failed first, from the ranks' flight recorders.",
+        epilog="Exit status: 0 nothing wrong, 1 a problem found, 2 nothing could be read.")
+    p.add_argument("source", metavar="DIR|tcp://HOST:PORT",
+                   help="a directory of rank-R.trace.jsonl dumps, or a running job's store")
+    p.add_argument("--timeline", metavar="FILE",
+                   help="also write every rank's calls as a Chrome trace (Perfetto, "
+                   "chrome://tracing)")
+    p.add_argument("--job", default=None,
+                   help="the job's id in the store (default: GPUCOLL_JOB_ID, else the one "
+                   "`gpucoll run` and plain init use, 'anonymous')")
+    p.add_argument("--token", default=None,
+                   help="the store's token (default: GPUCOLL_STORE_TOKEN)")
+    p.add_argument("--wait", type=float, default=WAIT_S, metavar="S",
+                   help=f"how long a live job's ranks get to answer (default {WAIT_S:g})")
+    p.add_argument("--patience", type=float, default=PATIENCE_S, metavar="S",
+                   help="ranks at different calls are a problem once one has waited this "
+                   f"long (default {PATIENCE_S:g})")
+    p.add_argument("--facts", metavar="FILE",
+                   help="what a launcher knows of its ranks' processes (JSON, as `gpucoll "
+                   "run` writes it to launcher.json)")
+    p.add_argument("--json", action="store_true", help="print the verdicts as JSON")
+    return p
+
+
+def main(argv: list[str] | None = None) -> int:
+    args = parser().parse_args(argv)
+    try:
+        evidence = _read(args)
+    except (EvidenceError, GpucollError, OSError) as exc:
+        print(f"gpucoll doctor: {exc}", file=sys.stderr)
+        return 2
+    verdicts = diagnose(evidence, args.patience)
+    if args.timeline:
+        with open(args.timeline, "w") as f:
+            json.dump(chrome_trace(evidence), f)
+    if args.json:
+        print(json.dumps([{"group": v.group, "size": v.size, "backend": v.backend,
+                           "problem": v.problem, "headline": v.headline,
+                           "details": dict(v.details)} for v in verdicts], indent=2))
+    else:
+        print(_text(evidence, verdicts, args.timeline))
+    return 1 if any(v.problem for v in verdicts) else 0
+
+
+def _read(args: argparse.Namespace):
+    if args.source.startswith("tcp://"):
+        from gpucoll.rendezvous import job_id
+        from gpucoll.store import TCPStore, parse_address
+
+        host, port = parse_address(args.source)
+        job = args.job or job_id() or "anonymous"
+        with TCPStore(host, port, timeout=5.0 + max(args.wait, 0.0), token=args.token) as store:
+            evidence = ask_store(store, job.replace("/", "_"), args.wait)
+        if not evidence.groups:
+            raise EvidenceError(f"no rank of job {job!r} answered at {args.source}, and the "
+                                f"store holds no communicator of it (another --job?)")
+    else:
+        evidence = read_dir(args.source)
+    if args.facts:
+        evidence.facts = read_facts(args.facts)
+    return evidence
+
+
+def _text(evidence, verdicts, timeline: str | None) -> str:
+    problems = sum(v.problem for v in verdicts)
+    head = (f"gpucoll doctor: {len(verdicts)} communicator(s) in {evidence.source}: "
+            f"{problems} with a problem" if problems else
+            f"gpucoll doctor: {len(verdicts)} communicator(s) in {evidence.source}: "
+            f"no problem found")
+    first = next((v for v in verdicts if v.problem), verdicts[0] if verdicts else None)
+    lines = [head] + ([f"  {first.headline}"] if first is not None else []) + [""]
+    lines += [v.text(headline=v is not first) for v in verdicts]
+    if evidence.unreadable:
+        lines.append(f"\n({evidence.unreadable} answer(s) or summaries in the store were not "
+                     f"flight records and were left out)")
+    if timeline:
+        lines.append(f"\ntimeline written to {os.path.abspath(timeline)} (open it in "
+                     f"https://ui.perfetto.dev or chrome://tracing)")
+    return "\n".join(lines)
+
+
+# -- the diagnosis ----------------------------------------------------------------------------
 PATIENCE_S = 1.0
 _SIGNATURE = ("call", "dtype", "count", "root", "op")
 _WILDCARDS = ("dtype", "count")  # scatter's non-roots may not know the slot's layout
@@ -411,3 +532,54 @@ def _short(text: str, limit: int = 300) -> str:
 
 def _ranks(ranks: list[int]) -> str:
     return f"rank {ranks[0]}" if len(ranks) == 1 else f"ranks {', '.join(map(str, ranks))}"
+
+
+# -- the timeline -----------------------------------------------------------------------------
+_ARGS = ("seq", "dtype", "count", "root", "op", "peer", "stream", "state")
+
+
+def chrome_trace(evidence: Evidence) -> dict[str, Any]:
+    """The trace as a JSON-ready dict (``{"traceEvents": [...], ...}``)."""
+    records = [rec for g in evidence.groups.values() for rec in g.ranks.values()]
+    starts = [c["started"] for rec in records for c in rec.calls if c.get("started")]
+    origin = min(starts) if starts else 0.0
+    groups = sorted({rec.group for rec in records}, key=lambda g: (g.count("/"), g))
+    events: list[dict[str, Any]] = []
+    for family in sorted({rec.family for rec in records}):
+        events.append({"ph": "M", "name": "process_name", "pid": family, "tid": 0,
+                       "args": {"name": f"rank {family}"}})
+        events.append({"ph": "M", "name": "process_sort_index", "pid": family, "tid": 0,
+                       "args": {"sort_index": family}})
+    for rec in records:
+        tid = groups.index(rec.group)
+        events.append({"ph": "M", "name": "thread_name", "pid": rec.family, "tid": tid,
+                       "args": {"name": f"{rec.group} (rank {rec.rank} of {rec.size})"}})
+        for call in rec.calls:
+            slice_ = _slice(call, rec.taken, origin)
+            if slice_ is not None:
+                events.append({**slice_, "pid": rec.family, "tid": tid})
+        if rec.error and rec.error.get("time"):
+            events.append({"ph": "i", "s": "t", "name": f"{rec.error['type']}",
+                           "ts": round(rec.error["time"] - origin, 1), "pid": rec.family,
+                           "tid": tid, "args": {"message": rec.error.get("message", "")}})
+    return {"traceEvents": events, "displayTimeUnit": "ms",
+            "otherData": {"source": evidence.source, "origin_us_since_epoch": origin}}
+
+
+def _slice(call: dict[str, Any], taken: float, origin: float) -> dict[str, Any] | None:
+    start = call.get("started")
+    if not start:
+        return None
+    end = call.get("ended") or taken or start
+    seq = call.get("seq", -1)
+    if seq >= 0:
+        name = f"{call['call']} #{seq}"
+    else:
+        name = f"{call['call']} {'to' if call['call'] == 'send' else 'from'} {call.get('peer')}"
+    if call.get("state") == "failed":
+        name += " (failed)"
+    args = {k: call[k] for k in _ARGS if call.get(k) is not None}
+    if call.get("queued") and call["queued"] < start:
+        args["queued_us_before_start"] = round(start - call["queued"], 1)
+    return {"ph": "X", "name": name, "cat": call["call"], "ts": round(start - origin, 1),
+            "dur": round(max(end - start, 0.0), 1), "args": args}

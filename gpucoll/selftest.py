@@ -1,0 +1,624 @@
+"""``gpucoll selftest``: the GPU path checked on this machine's GPUs, with a report to paste
+into an issue. For whoever first runs gpucoll on GPUs (also in the Docker image:
+``docker run --rm --gpus all --ipc=host gpucoll-bench selftest``).
+
+On real devices it runs, each check in processes of its own:
+- all_reduce of every dtype x op x size (0, 1, 1031 and 1 Mi elements), and every other
+  collective, on a world of one, against NumPy;
+- the same on two ranks sharing GPU 0, where NCCL allows it (NCCL >= 2.30, with
+  NCCL_MULTI_RANK_GPU_ENABLE=1, which this sets), and on one rank per GPU when there are several;
+- the failure cases on those ranks: a rank that never starts, one that skips a collective, one
+  that dies (each must end in an error naming it, within its deadline);
+- a stream race (the input written on a busy stream, the collective on another), whether
+  ``is_completed()`` tells the truth while the device is busy, and split right after
+  asynchronous work;
+- all_reduce bus bandwidth, beside nccl-tests' ``all_reduce_perf`` when it is found.
+
+Exit status: 0 every check passed, 1 a check failed, 2 nothing could run (no CUDA device, or
+nccl4py missing): the report then says why, and that nothing ran on a GPU.
+
+What is here, in this order:
+
+- the command and ``run``: which checks this machine allows, on how many ranks and GPUs, and
+  nccl-tests' bandwidth beside gpucoll's;
+- running one check's ranks: fresh processes (spawned, so no CUDA state is inherited), a store
+  of their own on a free port, a deadline, and nothing left running afterwards;
+- the checks, the ranks' bodies: each runs in a process of its own, ``fn(rank, n, addr,
+  arrays, device, *args)`` (``device`` None: the rank's local rank), and returns a short text
+  for the report or raises. ``arrays`` makes and reads device arrays (``CupyArrays``: CuPy on
+  the real devices; the tests pass an emulated one). Everything else goes through gpucoll's
+  public API and ``gpucoll.cuda``;
+- the report: what ran where, each check's result, and bandwidth beside nccl-tests', as
+  Markdown to paste into an issue (and as JSON).
+"""
+
+from __future__ import annotations
+
+import argparse
+import dataclasses
+import json
+import multiprocessing as mp
+import os
+import re
+import shutil
+import subprocess
+import sys
+import time
+from collections.abc import Callable, Iterator
+from typing import Any
+
+import numpy as np
+
+from gpucoll import cuda
+from gpucoll.arrays import SUPPORTED_DTYPES, dtype_from_name
+from gpucoll.default import create
+from gpucoll.errors import CollectiveTimeout, GpucollError, PeerFailure
+from gpucoll.ops import ReduceOp, check_op_dtype
+from gpucoll.store import TCPStore
+
+# -- which checks run where, and the command --------------------------------------------------
+BANDWIDTH_SIZES = (1 << 20, 16 << 20, 64 << 20, 256 << 20)
+QUICK_BANDWIDTH_SIZES = (1 << 20, 4 << 20)
+SHARED_GPU_ENV = {"NCCL_MULTI_RANK_GPU_ENABLE": "1"}
+
+
+class _Setup:
+    """How a check's ranks run: how many, on which device, with what environment."""
+
+    def __init__(self, name: str, n: int, device: int | None, env: dict[str, str]):
+        self.name, self.n, self.device, self.env = name, n, device, env
+
+
+def run(*, quick: bool = False, nccl_tests: str | None = None, timeout: float = 300.0,
+        setup: Callable | None = None) -> Report:
+    """Every check this machine allows. ``setup(store_address)`` (tests only) prepares each
+    rank process and returns its device-array maker; None: CuPy on the real devices."""
+    from gpucoll.backends.nccl.auto import library_version, several_ranks_per_gpu
+    from gpucoll.info import collect
+
+    rt = cuda.runtime()
+    report = Report(collect(), rt.name)
+    ok, why = rt.available()
+    if not ok:
+        report.note = f"no CUDA device ({why})"
+        return report
+    try:
+        version = library_version(rt.nccl())
+    except Exception as exc:  # noqa: BLE001
+        report.note = f"nccl4py cannot be loaded ({type(exc).__name__}: {exc})"
+        return report
+    count = rt.device_count()
+    one = _Setup("world of one", 1, 0, {})
+    shared = _Setup("2 ranks on GPU 0", 2, 0, SHARED_GPU_ENV) if several_ranks_per_gpu(
+        version, SHARED_GPU_ENV) else None
+    spread = _Setup(f"{min(count, 8)} ranks, one per GPU", min(count, 8), None, {}) \
+        if count >= 2 else None
+    multi = spread or shared
+
+    def check(name: str, where: _Setup | None, fn: Callable, *args: Any,
+              why_not: str = "") -> None:
+        report.checks.append(_run_check(f"{name} ({where.name})" if where else name, where,
+                                        fn, args, timeout, setup, why_not))
+
+    check("dtype x op x size", one, matrix, quick)
+    check("dtype x op x size", shared, matrix, True,
+          why_not=f"NCCL {version} refuses several ranks on one GPU (needs 2.30)")
+    check("dtype x op x size", spread, matrix, True, why_not="one GPU only")
+    no_multi = "needs two GPUs, or NCCL >= 2.30 for two ranks on one"
+    check("a rank that never starts", multi, missing_at_start_up, why_not=no_multi)
+    check("a rank that skips a collective", multi, skipped_call, why_not=no_multi)
+    check("a rank that dies", multi, dead_peer, why_not=no_multi)
+    check("stream race", one, stream_race)
+    check("is_completed() while the device is busy", one, honest_completion)
+    check("split after async work", multi or one, split_after_async)
+    if multi is not None:
+        _bandwidth(report, multi, quick, nccl_tests, timeout, setup)
+    return report
+
+
+def _run_check(name: str, where: _Setup | None, fn: Callable, args: tuple, timeout: float,
+               setup: Callable | None, why_not: str) -> Check:
+    if where is None:
+        return Check(name, SKIP, 0.0, why_not)
+    start = time.monotonic()
+    outcomes = run_ranks(fn, where.n, where.device, *args, timeout=timeout, env=where.env,
+                         setup=setup)
+    seconds = time.monotonic() - start
+    if fn is dead_peer:  # rank 1 dies on purpose
+        outcomes = outcomes[:1]
+    errors = [f"rank {o.rank}: {o.error or f'exit code {o.exitcode}'}" for o in outcomes
+              if not o.ok]
+    if errors:
+        return Check(name, FAIL, seconds, "; ".join(errors))
+    return Check(name, PASS, seconds, str(outcomes[0].value))
+
+
+def _bandwidth(report: Report, where: _Setup, quick: bool, nccl_tests: str | None,
+               timeout: float, setup: Callable | None) -> None:
+    sizes = QUICK_BANDWIDTH_SIZES if quick else BANDWIDTH_SIZES
+    outcomes = run_ranks(bandwidth, where.n, where.device, sizes, 3 if quick else 20,
+                         timeout=timeout, env=where.env, setup=setup)
+    if not all(o.ok for o in outcomes):
+        report.checks.append(Check(f"bandwidth ({where.name})", FAIL, 0.0, "; ".join(
+            f"rank {o.rank}: {o.error or o.exitcode}" for o in outcomes if not o.ok)))
+        return
+    theirs = nccl_tests_busbw(nccl_tests, where, sizes, timeout)
+    report.bandwidth_setup = where.name
+    report.bandwidth = [{"bytes": b, "us": us, "busbw": bw, "nccl_tests": theirs.get(b)}
+                        for b, us, bw in outcomes[0].value]
+    found = "nccl-tests all_reduce_perf beside it" if theirs else (
+        "nccl-tests' all_reduce_perf not found (pass --nccl-tests PATH)")
+    report.checks.append(Check(f"bandwidth ({where.name})", PASS, 0.0, found))
+
+
+def nccl_tests_busbw(path: str | None, where: _Setup, sizes: tuple[int, ...],
+                     timeout: float) -> dict[int, float]:
+    """Out-of-place bus bandwidth per size from nccl-tests' ``all_reduce_perf`` run on the
+    same GPUs in one process (``-g``), when it is found; {} otherwise."""
+    exe = path or shutil.which("all_reduce_perf")
+    if exe is None or not os.access(exe, os.X_OK) or where.device is not None:
+        return {}
+    cmd = [exe, "-b", str(min(sizes)), "-e", str(max(sizes)), "-f", "4", "-g", str(where.n)]
+    try:
+        out = subprocess.run(cmd, capture_output=True, text=True, timeout=timeout).stdout
+    except (OSError, subprocess.SubprocessError):
+        return {}
+    rows = {}
+    for line in out.splitlines():
+        fields = line.split()
+        if len(fields) >= 8 and fields[0].isdigit() and re.fullmatch(r"[\d.]+", fields[7]):
+            rows[int(fields[0])] = float(fields[7])  # size count type redop root time algbw busbw
+    return rows
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(prog="gpucoll selftest", description=__doc__.split("\n")[0])
+    parser.add_argument("--quick", action="store_true",
+                        help="fewer sizes (no 1 Mi-element cases, bandwidth to 4 MiB only)")
+    parser.add_argument("--nccl-tests", metavar="PATH",
+                        help="nccl-tests' all_reduce_perf (default: found on PATH)")
+    parser.add_argument("--timeout", type=float, default=300.0,
+                        help="seconds one check may take (default 300)")
+    parser.add_argument("--json", metavar="PATH", help="also write the report as JSON")
+    args = parser.parse_args(argv)
+    report = run(quick=args.quick, nccl_tests=args.nccl_tests, timeout=args.timeout)
+    print(render(report))
+    if args.json:
+        with open(args.json, "w") as f:
+            json.dump(as_json(report), f, indent=2)
+    return report.status
+
+
+# -- running one check's ranks ----------------------------------------------------------------
+_CTX = mp.get_context("spawn")
+
+
+@dataclasses.dataclass
+class Outcome:
+    """What one rank returned (``value``), or why it did not (``error``; ``exitcode``)."""
+
+    rank: int
+    value: Any = None
+    error: str = ""
+    exitcode: int | None = None
+
+    @property
+    def ok(self) -> bool:
+        return not self.error and self.exitcode == 0
+
+
+def _rank(fn: Callable, rank: int, n: int, addr: str, args: tuple, env: dict[str, str],
+          setup: Callable | None, conn: Any) -> None:
+    os.environ.update(env)
+    try:
+        if setup is not None:
+            arrays = setup(addr)
+        else:
+            arrays = CupyArrays()
+        conn.send((fn(rank, n, addr, arrays, *args), ""))
+    except BaseException as exc:  # noqa: BLE001 - reported in the parent
+        conn.send((None, f"{type(exc).__name__}: {exc}"))
+    finally:
+        conn.close()
+
+
+def run_ranks(fn: Callable, n: int, *args: Any, timeout: float, env: dict[str, str] | None = None,
+              setup: Callable | None = None) -> list[Outcome]:
+    """``fn(rank, n, store_address, arrays, *args)`` in ``n`` processes; ranks still running
+    at the deadline are killed and reported so."""
+    server = TCPStore("127.0.0.1", 0, is_server=True, timeout=timeout)
+    addr = f"tcp://127.0.0.1:{server.port}"
+    procs, pipes = [], []
+    try:
+        for rank in range(n):
+            parent, child = _CTX.Pipe(duplex=False)
+            p = _CTX.Process(target=_rank, args=(fn, rank, n, addr, args, env or {}, setup,
+                                                 child), daemon=True)
+            p.start()
+            child.close()
+            procs.append(p)
+            pipes.append(parent)
+        return _collect(procs, pipes, time.monotonic() + timeout)
+    finally:
+        for p in procs:
+            if p.is_alive():
+                p.kill()
+            p.join(10)
+        server.close()
+
+
+def _collect(procs: list, pipes: list, deadline: float) -> list[Outcome]:
+    outcomes = [Outcome(rank) for rank in range(len(procs))]
+    pending = set(range(len(procs)))
+    while pending and time.monotonic() < deadline:
+        ready = mp.connection.wait([pipes[r] for r in pending] + [procs[r].sentinel
+                                                                  for r in pending], 0.1)
+        for r in list(pending):
+            if pipes[r] in ready:
+                try:
+                    outcomes[r].value, outcomes[r].error = pipes[r].recv()
+                except EOFError:
+                    pass
+            if pipes[r] in ready or procs[r].sentinel in ready:
+                procs[r].join(10)
+                outcomes[r].exitcode = procs[r].exitcode
+                pending.discard(r)
+    for r in pending:
+        outcomes[r].error = "still running at the deadline (killed)"
+    return outcomes
+
+
+# -- the checks: the ranks' bodies ------------------------------------------------------------
+SIZES = (0, 1, 1031, 1 << 20)  # elements: empty, one, odd, 4-8 MiB
+QUICK_SIZES = (0, 1, 1031)
+
+
+class CupyArrays:
+    """Device arrays on the real devices, through CuPy."""
+
+    def __init__(self) -> None:
+        self._streams: dict[int, Any] = {}  # streams made here live as long as the check
+
+    def put(self, host: np.ndarray) -> Any:
+        import cupy
+
+        return cupy.asarray(host)
+
+    def get(self, x: Any, stream: int | None = None) -> np.ndarray:
+        """A host copy, made on ``stream`` (default: the current stream)."""
+        return x.get(stream=None if stream is None else self._streams[stream])
+
+    def new_stream(self) -> int:
+        import cupy
+
+        s = cupy.cuda.Stream(non_blocking=True)
+        self._streams[int(s.ptr)] = s
+        return int(s.ptr)
+
+    def current(self, stream: int) -> Any:
+        """A context in which ``stream`` (made by ``new_stream``) is the current stream."""
+        return self._streams[stream]
+
+
+def _values(dtype: np.dtype, shape: tuple, rank: int) -> np.ndarray:
+    """Exactly representable values, different on each rank, small enough for any sum."""
+    base = (np.arange(int(np.prod(shape))) % 5 + rank + 1).reshape(shape)
+    if dtype.kind == "b":
+        return (base % 2).astype(bool)
+    if dtype.kind == "c":
+        return (base + 1j * base).astype(dtype)
+    return base.astype(dtype)
+
+
+def _expected(op: ReduceOp, parts: list[np.ndarray]) -> np.ndarray:
+    if op is ReduceOp.AVG:
+        return np.mean([p.astype(np.complex128) for p in parts], axis=0)
+    fn = {"sum": np.add, "prod": np.multiply, "min": np.minimum, "max": np.maximum,
+          "band": np.bitwise_and, "bor": np.bitwise_or, "bxor": np.bitwise_xor}[op.value]
+    out = parts[0]
+    for p in parts[1:]:
+        out = fn(out, p)
+    return out.astype(parts[0].dtype)
+
+
+def _close(got: np.ndarray, want: np.ndarray, op: ReduceOp, n: int) -> bool:
+    if op is not ReduceOp.AVG:
+        return np.array_equal(got, want)
+    import ml_dtypes
+
+    eps = float(ml_dtypes.finfo(got.real.dtype if got.dtype.kind == "c" else got.dtype).eps)
+    return np.allclose(got.astype(np.complex128), want, rtol=(n + 1) * eps, atol=0)
+
+
+def _cases(quick: bool) -> Iterator[tuple[np.dtype, ReduceOp, int]]:
+    for name in SUPPORTED_DTYPES:
+        dtype = dtype_from_name(name)
+        for op in ReduceOp:
+            try:
+                check_op_dtype(op, dtype, "all_reduce")
+            except TypeError:
+                continue
+            for size in QUICK_SIZES if quick else SIZES:
+                yield dtype, op, size
+
+
+def matrix(rank: int, n: int, addr: str, arrays: Any, device: int | None, quick: bool) -> str:
+    """Every dtype x op x size of all_reduce on NCCL, then every other collective once, against
+    NumPy; the cases NCCL refuses (e.g. complex prod) are counted, not failed."""
+    comm = create("nccl", rank=rank, world_size=n, store=addr, timeout=60, device=device)
+    wrong, refused, done = [], 0, 0
+    with comm:
+        for dtype, op, size in _cases(quick):
+            try:
+                x = arrays.put(_values(dtype, (size,), rank))
+                comm.all_reduce(x, op=op)
+            except TypeError:
+                refused += 1
+                continue
+            want = _expected(op, [_values(dtype, (size,), r) for r in range(n)])
+            if not _close(arrays.get(x), want, op, n):
+                wrong.append(f"all_reduce {op.value} {dtype.name} x{size}")
+            done += 1
+        wrong += _others(comm, arrays, rank, n)
+    if wrong:
+        raise AssertionError(f"{len(wrong)} wrong: {', '.join(wrong[:8])}")
+    return f"{done} all_reduce cases and 7 other collectives right ({refused} refused by NCCL)"
+
+
+def _others(comm: Any, arrays: Any, rank: int, n: int) -> list[str]:
+    """broadcast, reduce, all_gather, gather, scatter, reduce_scatter, all_to_all: the wrong."""
+    wrong = []
+    mine = _values(np.dtype(np.float32), (n, 3), rank)
+    every = [_values(np.dtype(np.float32), (n, 3), r) for r in range(n)]
+
+    def check(name: str, got: Any, want: np.ndarray) -> None:
+        if got is not None and not np.array_equal(arrays.get(got), want):
+            wrong.append(name)
+
+    x = arrays.put(mine)
+    comm.broadcast(x, root=n - 1)
+    check("broadcast", x, every[n - 1])
+    x = arrays.put(mine)
+    comm.reduce(x, root=0)
+    check("reduce", x if rank == 0 else None, sum(every))
+    check("all_gather", comm.all_gather(arrays.put(mine)), np.stack(every))
+    check("gather", comm.gather(arrays.put(mine), root=0), np.stack(every))
+    check("scatter", comm.scatter(arrays.put(every[0]) if rank == 0 else None, root=0),
+          every[0][rank])
+    check("reduce_scatter", comm.reduce_scatter(arrays.put(mine)), sum(every)[rank])
+    check("all_to_all", comm.all_to_all(arrays.put(mine)), np.stack([e[rank] for e in every]))
+    return wrong
+
+
+def missing_at_start_up(rank: int, n: int, addr: str, arrays: Any, device: int | None) -> str:
+    """Rank 1 never starts: rank 0's start-up must end within its 3 s deadline naming it."""
+    if rank == 1:
+        return ""
+    start = time.monotonic()
+    try:
+        create("nccl", rank=0, world_size=n, store=addr, timeout=3, device=device)
+    except CollectiveTimeout as exc:
+        if "rank 1" not in str(exc):
+            raise AssertionError(f"the timeout does not name rank 1: {exc}") from exc
+        return f"CollectiveTimeout after {time.monotonic() - start:.1f} s (deadline 3 s): {exc}"
+    raise AssertionError("start-up without rank 1 succeeded")
+
+
+def skipped_call(rank: int, n: int, addr: str, arrays: Any, device: int | None) -> str:
+    """Rank 1 skips an all_reduce: rank 0's must fail by its 2 s deadline, then every later
+    call fails at once; both close without hanging."""
+    from gpucoll.store import TCPStore, parse_address
+
+    store = TCPStore(*parse_address(addr), timeout=60)
+    comm = create("nccl", rank=rank, world_size=n, store=addr, timeout=60, device=device)
+    try:
+        x = arrays.put(np.ones(1024, np.float32))
+        comm.barrier()
+        if rank == 1:
+            store.get("selftest/skipped", timeout=60)
+            return ""
+        start = time.monotonic()
+        try:
+            comm.all_reduce(x, async_op=True, timeout=2).synchronize()
+        except CollectiveTimeout as exc:
+            took = time.monotonic() - start
+            try:
+                comm.all_reduce(x)
+            except GpucollError:
+                pass
+            else:
+                raise AssertionError("the aborted communicator took another call") from exc
+            return f"CollectiveTimeout after {took:.1f} s (deadline 2 s): {exc}"
+        raise AssertionError("an all_reduce without rank 1 completed")
+    finally:
+        if rank == 0:
+            store.set("selftest/skipped", "1")
+        comm.close()
+        store.close()
+
+
+def dead_peer(rank: int, n: int, addr: str, arrays: Any, device: int | None) -> str:
+    """Rank 1 dies before an all_reduce: rank 0 must name it long before the 60 s deadline."""
+    comm = create("nccl", rank=rank, world_size=n, store=addr, timeout=60, device=device)
+    with comm:
+        x = arrays.put(np.ones(1024, np.float32))
+        comm.barrier()
+        if rank == 1:
+            os._exit(0)
+        start = time.monotonic()
+        try:
+            comm.all_reduce(x, async_op=True).synchronize()
+        except PeerFailure as exc:
+            return f"PeerFailure after {time.monotonic() - start:.1f} s: {exc}"
+        raise AssertionError("an all_reduce without rank 1 completed")
+
+
+def stream_race(rank: int, n: int, addr: str, arrays: Any, device: int | None) -> str:
+    """x is written on a busy current stream and the collective runs on another: it must read
+    what was written, not what was there before."""
+    rt = cuda.runtime()
+    comm = create("nccl", rank=rank, world_size=n, store=addr, timeout=60, device=device)
+    with comm:
+        x = arrays.put(np.zeros(1 << 16, np.float32))
+        src = arrays.put(np.full(1 << 16, rank + 1.0, np.float32))
+        producer, other = arrays.new_stream(), arrays.new_stream()
+        ptr = lambda a: int(a.__cuda_array_interface__["data"][0])  # noqa: E731
+        with arrays.current(producer):
+            release = rt.stall(producer)
+            rt.memcpy_async(ptr(x), ptr(src), 4 << 16, producer)
+            out = comm.all_gather(x, stream=other)
+            release()
+        got = arrays.get(out, other)
+    want = np.repeat(np.arange(1.0, n + 1.0, dtype=np.float32), 1 << 16).reshape(n, -1)
+    if not np.array_equal(got, want):
+        raise AssertionError("the collective read x before the busy stream had written it")
+    return "the collective waited for the stream that wrote its input"
+
+
+def honest_completion(rank: int, n: int, addr: str, arrays: Any, device: int | None) -> str:
+    """is_completed() is False while the device is busy before the call, True after."""
+    rt = cuda.runtime()
+    comm = create("nccl", rank=rank, world_size=n, store=addr, timeout=60, device=device)
+    with comm:
+        x = arrays.put(np.ones(1024, np.float32))
+        comm.barrier()
+        s = arrays.new_stream()
+        with arrays.current(s):
+            release = rt.stall(s)
+            work = comm.all_reduce(x, async_op=True)
+            busy = work.is_completed()
+            release()
+            work.synchronize()
+        if busy or not work.is_completed():
+            raise AssertionError(f"is_completed() said {busy} while the device was busy and "
+                                 f"{work.is_completed()} after synchronize()")
+    return "False while the stream was busy, True after synchronize()"
+
+
+def split_after_async(rank: int, n: int, addr: str, arrays: Any, device: int | None) -> str:
+    """split() right after asynchronous work, then a collective on the new communicator."""
+    comm = create("nccl", rank=rank, world_size=n, store=addr, timeout=60, device=device)
+    with comm:
+        x = arrays.put(np.ones(1 << 20, np.float32))
+        comm.all_reduce(x, async_op=True)
+        sub = comm.split(0, key=-rank)
+        y = arrays.put(np.array([rank + 1.0], np.float32))
+        sub.all_reduce(y)
+        total = float(arrays.get(y)[0])
+        sub.close()
+    if total != n * (n + 1) / 2:
+        raise AssertionError(f"the split communicator's sum is {total}")
+    return f"split of {n} rank(s) after async work; its all_reduce is right"
+
+
+def bandwidth(rank: int, n: int, addr: str, arrays: Any, device: int | None,
+              sizes: tuple[int, ...], iters: int) -> list[tuple[int, float, float]]:
+    """(bytes, microseconds per all_reduce, bus GB/s) of float32 all_reduce, nccl-tests' way:
+    bus bandwidth = bytes / time * 2 (n - 1) / n."""
+    comm = create("nccl", rank=rank, world_size=n, store=addr, timeout=120, device=device)
+    rows = []
+    with comm:
+        for nbytes in sizes:
+            x = arrays.put(np.ones(nbytes // 4, np.float32))
+            comm.all_reduce(x)
+            comm.barrier()
+            start = time.perf_counter()
+            for _ in range(iters):
+                comm.all_reduce(x)
+            comm.barrier()
+            seconds = (time.perf_counter() - start) / iters
+            factor = 2 * (n - 1) / n if n > 1 else 0.0
+            rows.append((nbytes, seconds * 1e6, nbytes / seconds * factor / 1e9))
+    return rows
+
+
+# -- the report -------------------------------------------------------------------------------
+PASS, FAIL, SKIP = "pass", "fail", "skip"
+EXIT = {"passed": 0, "failed": 1, "nothing ran": 2}
+
+
+@dataclasses.dataclass
+class Check:
+    name: str
+    status: str
+    seconds: float
+    detail: str
+
+
+@dataclasses.dataclass
+class Report:
+    """Everything ``gpucoll selftest`` found; ``note`` says why nothing ran, if nothing did."""
+
+    environment: dict[str, Any]
+    runtime: str
+    checks: list[Check] = dataclasses.field(default_factory=list)
+    bandwidth: list[dict[str, Any]] = dataclasses.field(default_factory=list)
+    bandwidth_setup: str = ""
+    note: str = ""
+
+    @property
+    def outcome(self) -> str:
+        if self.note:
+            return "nothing ran"
+        return "failed" if any(c.status == FAIL for c in self.checks) else "passed"
+
+    @property
+    def status(self) -> int:
+        """The exit status: 0 every check passed, 1 one failed, 2 nothing could run."""
+        return EXIT[self.outcome]
+
+
+def render(report: Report) -> str:
+    env = report.environment
+    nccl = env.get("nccl")
+    nccl = (f"NCCL {nccl['library']} (nccl4py {nccl['nccl4py']})" if isinstance(nccl, dict)
+            else f"NCCL {nccl}")
+    lines = [
+        "### gpucoll selftest",
+        "",
+        f"gpucoll {env.get('gpucoll')}, Python {env.get('python')}, CuPy {env.get('cupy')}, "
+        f"{nccl}",
+        f"CUDA driver {env.get('cuda_driver')}, runtime {env.get('cuda_runtime')}; "
+        f"gpucoll's CUDA runtime: {report.runtime}",
+    ]
+    devices = env.get("devices")
+    if isinstance(devices, list):
+        lines.append(f"devices: {len(devices)}")
+        lines += [f"  [{d['index']}] {d['name']}, {d['memory_gib']} GiB, sm "
+                  f"{d['compute_capability']}, {d['pci_bus_id']}" for d in devices]
+    else:
+        lines.append(f"devices: {devices}")
+    if report.note:
+        lines += ["", f"**Nothing ran on a GPU: {report.note}.**",
+                  "", f"exit status {report.status} (2: nothing could run)"]
+        return "\n".join(lines)
+    lines += ["", "| check | result | time | detail |", "|---|---|---|---|"]
+    lines += [f"| {c.name} | {c.status} | {c.seconds:.1f} s | {_cell(c.detail)} |"
+              for c in report.checks]
+    if report.bandwidth:
+        lines += ["", f"all_reduce, float32, {report.bandwidth_setup}; bus bandwidth as "
+                      "nccl-tests computes it (bytes / time * 2(n-1)/n):", "",
+                  "| size (B) | gpucoll time (us) | gpucoll busbw (GB/s) | "
+                  "nccl-tests busbw (GB/s) |", "|---:|---:|---:|---:|"]
+        for row in report.bandwidth:
+            theirs = row.get("nccl_tests")
+            lines.append(f"| {row['bytes']} | {row['us']:.1f} | {row['busbw']:.2f} | "
+                         f"{'-' if theirs is None else f'{theirs:.2f}'} |")
+    counts = {s: sum(c.status == s for c in report.checks) for s in (PASS, FAIL, SKIP)}
+    lines += ["", f"**{report.outcome}**: {counts[PASS]} passed, {counts[FAIL]} failed, "
+                  f"{counts[SKIP]} skipped (exit status {report.status})"]
+    return "\n".join(lines)
+
+
+def _cell(text: str) -> str:
+    return " ".join(text.split()).replace("|", "/")[:300]
+
+
+def as_json(report: Report) -> dict[str, Any]:
+    data = dataclasses.asdict(report)
+    data["outcome"], data["status"] = report.outcome, report.status
+    return data
+
+
+if __name__ == "__main__":
+    sys.exit(main())
