@@ -42,7 +42,6 @@ LAYER_OF = {
     "gpucoll.signature": "communicator",
     "gpucoll.dumps": "communicator",
     "gpucoll.guard": "communicator",
-    "gpucoll.outplace": "communicator",
     "gpucoll.uneven": "communicator",
     "gpucoll.objects": "communicator",
     "gpucoll.batch": "communicator",
