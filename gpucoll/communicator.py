@@ -1,8 +1,8 @@
 """``Communicator``: the public face of a group of ranks.
 
-Every method checks its arguments once (``gpucoll.validation``) before the rank takes part,
-optionally checks under GPUCOLL_DEBUG=1 that all ranks make the same call (``gpucoll.signature``),
-and hands the backend flat contiguous buffers. Each collective gets a sequence number, the same
+Every method checks its arguments once before the rank takes part, optionally checks under
+GPUCOLL_DEBUG=1 that all ranks make the same call (both checks: ``gpucoll.validation``), and
+hands the backend flat contiguous buffers. Each collective gets a sequence number, the same
 on every rank, which the backend's progress record shows while the call runs (and the ring stamps
 on every message, so ranks that disagree are caught). Sync calls run on the caller's thread;
 calls with ``async_op=True`` return a ``Work`` and complete in issue order, except non-blocking
@@ -63,14 +63,13 @@ from gpucoll.errors import (
 )
 from gpucoll.fused import FusedCalls
 from gpucoll.groups import GroupCalls
-from gpucoll.guard import entry as _entry
 from gpucoll.objects import ObjectCalls
 from gpucoll.progress import KIND
 from gpucoll.recorder import NO_CALL, Recorder, clock, size_from_env, stream_id
-from gpucoll.signature import SignatureCheck
 from gpucoll.store.gather import Liveness, agree_survivors, leave_group, share, wait_for_ranks
 from gpucoll.uneven import UnevenCalls
-from gpucoll.validation import VALID_OPS, Call, check_timeout
+from gpucoll.validation import VALID_OPS, Call, SignatureCheck, check_timeout
+from gpucoll.validation import entry as _entry
 from gpucoll.work import Work
 
 _LIVE: weakref.WeakSet = weakref.WeakSet()  # communicators of this process, for fork handling
