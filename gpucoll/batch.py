@@ -14,7 +14,7 @@ from collections.abc import Sequence
 from typing import Any
 
 from gpucoll.errors import UsageError
-from gpucoll.guard import entry
+from gpucoll.validation import entry
 from gpucoll.work import Work
 
 _KINDS = ("isend", "irecv")

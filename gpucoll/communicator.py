@@ -1,8 +1,8 @@
 """``Communicator``: the public face of a group of ranks.
 
-Every method checks its arguments once (``gpucoll.validation``) before the rank takes part,
-optionally checks under GPUCOLL_DEBUG=1 that all ranks make the same call (``gpucoll.signature``),
-and hands the backend flat contiguous buffers. Each collective gets a sequence number, the same
+Every method checks its arguments once before the rank takes part, optionally checks under
+GPUCOLL_DEBUG=1 that all ranks make the same call (both checks: ``gpucoll.validation``), and
+hands the backend flat contiguous buffers. Each collective gets a sequence number, the same
 on every rank, which the backend's progress record shows while the call runs (and the ring stamps
 on every message, so ranks that disagree are caught). Sync calls run on the caller's thread;
 calls with ``async_op=True`` return a ``Work`` and complete in issue order, except non-blocking
@@ -20,6 +20,11 @@ different calls elsewhere).
 Strided (non-contiguous) inputs are copied to a contiguous buffer first; for ops that write into
 their input (all_reduce, broadcast, reduce, recv) the result is copied back into it afterwards.
 ``out=`` buffers must be C-contiguous.
+
+``OutOfPlaceCalls`` holds the out-of-place forms of all_reduce, reduce and broadcast (``out=``),
+as NCCL has them: ``x`` is only read (on ranks where it is read at all) and the result lands in
+``out``, an array of ``x``'s shape and dtype that shares no memory with it. The in-place calls
+hand off there when they are given ``out``, so their own path stays as it was.
 """
 
 from __future__ import annotations
@@ -58,15 +63,13 @@ from gpucoll.errors import (
 )
 from gpucoll.fused import FusedCalls
 from gpucoll.groups import GroupCalls
-from gpucoll.guard import entry as _entry
 from gpucoll.objects import ObjectCalls
-from gpucoll.outplace import OutOfPlaceCalls
 from gpucoll.progress import KIND
 from gpucoll.recorder import NO_CALL, Recorder, clock, size_from_env, stream_id
-from gpucoll.signature import SignatureCheck
 from gpucoll.store.gather import Liveness, agree_survivors, leave_group, share, wait_for_ranks
 from gpucoll.uneven import UnevenCalls
-from gpucoll.validation import VALID_OPS, Call, check_timeout
+from gpucoll.validation import VALID_OPS, Call, SignatureCheck, check_timeout
+from gpucoll.validation import entry as _entry
 from gpucoll.work import Work
 
 _LIVE: weakref.WeakSet = weakref.WeakSet()  # communicators of this process, for fork handling
@@ -83,6 +86,56 @@ os.register_at_fork(after_in_child=_forked)
 def debug_enabled() -> bool:
     """GPUCOLL_DEBUG=1 (any value but empty or 0) turns on the cross-rank signature check."""
     return os.environ.get("GPUCOLL_DEBUG", "") not in ("", "0")
+
+
+class OutOfPlaceCalls:
+    """The ``out=`` forms for ``Communicator`` (a mixin: it uses the communicator's argument
+    checks, sequence numbers and backend)."""
+
+    def _all_reduce_out(self, c: Call, x: Any, out: Any, op: Any, async_op: bool,
+                        timeout: float | None, stream: Any) -> Any:
+        ref = c.array(x, "x")
+        rop = c.op(op, ref.dtype)
+        t = c.timeout(timeout, self.timeout)
+        res = c.output(out, ref, tuple(ref.shape), (ref,))
+        seq = self._signature(c, t, ref, op=rop)
+        b = self._backend
+        return self._issue(c, seq, lambda: b.all_reduce_out(ref, res, rop, timeout=t,
+                                                             stream=stream),
+                           res.array, async_op, stream)
+
+    def _reduce_out(self, c: Call, x: Any, out: Any, root: Any, op: Any, async_op: bool,
+                    timeout: float | None, stream: Any) -> Any:
+        root = c.rank_arg(root, "root")
+        ref = c.array(x, "x")
+        rop = c.op(op, ref.dtype)
+        t = c.timeout(timeout, self.timeout)
+        res = None if out is None else c.output(out, ref, tuple(ref.shape), (ref,))
+        if res is None and self.rank == root:
+            raise c.fail(ValueError, "out is None on the root; root receives the result there")
+        seq = self._signature(c, t, ref, op=rop, root=root)
+        b = self._backend
+        return self._issue(c, seq, lambda: b.reduce_out(
+            ref, res if self.rank == root else None, root, rop, timeout=t, stream=stream),
+            None if res is None else res.array, async_op, stream)
+
+    def _broadcast_out(self, c: Call, x: Any, out: Any, root: Any, async_op: bool,
+                       timeout: float | None, stream: Any) -> Any:
+        root = c.rank_arg(root, "root")
+        t = c.timeout(timeout, self.timeout)
+        if self.rank == root:
+            if x is None:
+                raise c.fail(TypeError, f"x is None on the root; root {root} broadcasts its x")
+            ref = c.array(x, "x")
+            res = c.output(out, ref, tuple(ref.shape), (ref,))
+        else:  # x is not read here: out alone says what arrives
+            ref = None
+            res = c.array(out, "out", writable=True, copy=False)
+        seq = self._signature(c, t, res, root=root)
+        b = self._backend
+        return self._issue(c, seq, lambda: b.broadcast_out(ref, res, root, timeout=t,
+                                                            stream=stream),
+                           res.array, async_op, stream)
 
 
 class Communicator(OutOfPlaceCalls, UnevenCalls, ObjectCalls, PointToPointCalls, FusedCalls,

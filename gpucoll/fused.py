@@ -19,8 +19,7 @@ from typing import Any
 import numpy as np
 
 from gpucoll.arrays import as_ref, check_dtype, new_array, write_back
-from gpucoll.guard import entry
-from gpucoll.validation import Call
+from gpucoll.validation import Call, entry
 
 FUSE_BYTES = 64 << 20  # the largest buffer one fused transfer packs (bounds the extra memory)
 

@@ -10,9 +10,8 @@ from collections.abc import Sequence
 from typing import Any
 
 from gpucoll.errors import CollectiveMismatch, UsageError
-from gpucoll.guard import entry
 from gpucoll.store.gather import wait_for_ranks
-from gpucoll.validation import Call
+from gpucoll.validation import Call, entry
 
 
 class GroupCalls:

@@ -26,8 +26,7 @@ import numpy as np
 from gpucoll import cuda
 from gpucoll.arrays import as_ref
 from gpucoll.errors import CollectiveMismatch, CollectiveTimeout
-from gpucoll.guard import entry
-from gpucoll.validation import Call
+from gpucoll.validation import Call, entry
 
 OUT_OF_BAND_BYTES = 256 << 10  # smaller buffers are copied into the pickle stream: cheaper
 MESSAGE_BYTES = 1 << 30  # the largest message; bigger buffers travel in pieces

@@ -29,8 +29,7 @@ from gpucoll.arrays import (
     new_array,
 )
 from gpucoll.errors import CollectiveMismatch
-from gpucoll.guard import entry
-from gpucoll.validation import Call, overlaps
+from gpucoll.validation import Call, entry, overlaps
 from gpucoll.work import Deferred
 
 MAX_DIMS = 64  # NumPy's limit; a description holds this many trailing extents

@@ -12,7 +12,7 @@ import pytest
 
 from gpucoll.errors import CollectiveMismatch, CollectiveTimeout, PeerFailure
 from gpucoll.progress import Progress
-from gpucoll.transport import mesh, shm, tcp
+from gpucoll.transport import mesh, shm
 from gpucoll.transport.engine import Engine, Recv, RecvReduce, Send, State
 from gpucoll.transport.monitor import Monitor, encode_abort, encode_close
 
@@ -48,13 +48,13 @@ def shm_pair(bell):
 @pytest.fixture
 def tcp_pair():
     """Two ends of a loopback TCP connection."""
-    listener = tcp.listen_tcp(1)
+    listener = mesh.listen_tcp(1)
     client = socket.create_connection(("127.0.0.1", listener.getsockname()[1]))
     server, _ = listener.accept()
     listener.close()
     for sock in (client, server):
-        tcp.tune(sock)
-    a, b = tcp.TcpLink(1, client), tcp.TcpLink(0, server)
+        mesh.tune(sock)
+    a, b = mesh.TcpLink(1, client), mesh.TcpLink(0, server)
     yield a, b
     a.close()
     b.close()
@@ -119,7 +119,7 @@ def test_a_gated_send_forwards_only_what_has_arrived(pair, bell):
     np.testing.assert_array_equal(back, x)
 
 
-class _Dribbling(tcp.TcpLink):
+class _Dribbling(mesh.TcpLink):
     """A TCP link that takes at most 5 bytes per receive, so elements arrive in parts."""
 
     def recv_reduce(self, acc, src, ufunc, off, end):

@@ -31,7 +31,7 @@ import numpy as np
 
 from gpucoll.backends import ring_algos as algos
 from gpucoll.backends.base import Backend
-from gpucoll.backends.ring_grouped import GroupedRing
+from gpucoll.backends.ring_algos import GroupedRing
 from gpucoll.errors import CollectiveMismatch, CollectiveTimeout, GpucollError, PeerFailure
 from gpucoll.ops import ReduceOp, finish_avg, fp_quiet, fp_restore, host_ufunc
 from gpucoll.progress import IN_CALL, KIND, SLOTS, Progress, diagnose, kind_name
