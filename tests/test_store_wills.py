@@ -67,6 +67,7 @@ def test_a_will_overwrites_a_value_set_meanwhile(store_server):
         c.set_will("state", b"died")
         c.set_will("fired", b"1")  # a connection's wills fire together, in order
         store_server.set("state", b"running")
+        assert store_server.get("state") == b"running"  # the set is applied, not in flight
     assert store_server.get("fired", timeout=10) == b"1"
     assert store_server.get("state") == b"died"
 

@@ -632,10 +632,13 @@ class RingBackend(GroupedRing, Backend):
             if self._worker.is_alive():
                 self.abort("closed while asynchronous work was still running")
                 self._worker.join()
-        if not self._lock.acquire(timeout=_CLOSE_GRACE_S):
-            # another thread is inside a call: end it rather than wait for its deadline
+        held = self._lock.acquire(timeout=_CLOSE_GRACE_S)
+        if not held:
+            # another thread is inside a call: end it rather than wait for its deadline; if the
+            # lock still does not come back, nobody holds it any more (an interrupt that struck
+            # between taking it and the call that gives it back), and waiting would hang
             self.abort("closed while a call was in progress")
-            self._lock.acquire()
+            held = self._lock.acquire(timeout=_CLOSE_GRACE_S)
         problem = None
         try:
             self._finish_background()
@@ -643,7 +646,8 @@ class RingBackend(GroupedRing, Backend):
                 problem = self._say_goodbye()
             self._release()
         finally:
-            self._lock.release()
+            if held:
+                self._lock.release()
             self._drop_progress_map()
         if problem is not None:
             raise problem
