@@ -314,3 +314,21 @@ def test_a_dead_rank_is_noticed_even_if_its_forked_child_lives_on(store_addr):
     outcomes = spawn(_fork_then_die, 2, store_addr, timeout=15, check=False)
     err = outcomes[0].value
     assert isinstance(err, PeerFailure) and err.peer == 1, outcomes[0].trace or repr(err)
+
+
+def _close_with_the_lock_left_taken(rank, n, addr):
+    store, b = open_backend(rank, n, addr, "shm", timeout=LONG)
+    try:
+        b.all_reduce(ref(np.ones(4, np.float32)), ReduceOp.SUM, timeout=LONG)
+        if rank == 0:  # as an interrupt between taking the driver lock and the call leaves it
+            b._lock.acquire()
+        start = time.monotonic()
+        b.close()
+        return time.monotonic() - start
+    finally:
+        store.close()
+
+
+def test_close_ends_even_when_an_interrupt_left_the_driver_lock_taken(store_addr):
+    seconds = spawn(_close_with_the_lock_left_taken, 2, store_addr, timeout=40)
+    assert seconds[0] < 10 and seconds[1] < 10, seconds
