@@ -14,7 +14,7 @@ import pytest
 
 from gpucoll.topology import TopologyUnavailable, probe
 from gpucoll.topology.cli import main
-from gpucoll.topology.facts import PciDevice
+from gpucoll.topology.layout import PciDevice
 from gpucoll.topology.probe import cpulist, normalize_bus_id, pci_label, read_nvml, read_sysfs
 from gpucoll.topology.smi import read_smi
 

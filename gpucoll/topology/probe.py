@@ -22,16 +22,20 @@ from types import ModuleType
 from typing import Any
 
 from gpucoll.errors import TopologyUnavailable
-from gpucoll.topology.facts import (
+from gpucoll.topology.layout import (
+    Device,
+    Finding,
+    Layout,
     NvLink,
     NvmlFacts,
     NvmlGpu,
     NvmlPair,
+    Observed,
     PciDevice,
     PcieLink,
     SysfsFacts,
+    analyze,
 )
-from gpucoll.topology.layout import Device, Finding, Layout, Observed, analyze
 from gpucoll.topology.smi import observed_from_smi, read_smi
 
 # ---- probe and load ------------------------------------------------------------------------------
