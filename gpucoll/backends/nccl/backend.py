@@ -13,8 +13,8 @@ Every call
 
 Results are stream-ordered: later work on the stream sees them. gather, scatter and all-to-all
 are grouped send/recv; reductions NCCL lacks run as an all-gather plus a local reduction on the
-device (``codes``). All CUDA access goes through ``gpucoll.cuda`` so that the emulation in the
-tests can stand in for it.
+device (``driver``'s codes). All CUDA access goes through ``gpucoll.cuda`` so that the emulation
+in the tests can stand in for it.
 """
 
 from __future__ import annotations
@@ -30,8 +30,14 @@ import numpy as np
 from gpucoll import cuda
 from gpucoll.backends.base import Backend
 from gpucoll.backends.nccl import boot
-from gpucoll.backends.nccl.codes import reduce_plan, wire
-from gpucoll.backends.nccl.driver import IN_PROGRESS, SUCCESS, Driver, failure
+from gpucoll.backends.nccl.driver import (
+    IN_PROGRESS,
+    SUCCESS,
+    Driver,
+    failure,
+    reduce_plan,
+    wire,
+)
 from gpucoll.backends.nccl.grouped import GroupedNccl
 from gpucoll.backends.nccl.watch import EventWork, Pending, Positions, Watchdog
 from gpucoll.errors import BackendUnavailable, CollectiveTimeout, GpucollError, UsageError

@@ -3,7 +3,7 @@
 ``GroupedNccl`` is a mixin of ``NcclBackend``: it uses only the backend's plumbing (``_begin`` to
 check buffers and order the stream, ``_end`` to hand the call's event and buffers to the
 watchdog, ``_run`` and ``_nc.group`` to run NCCL calls within the deadline, ``_buf``, ``_copy``,
-``_rt``) under the backend's device guard, and the dtype and op tables of ``codes``.
+``_rt``) under the backend's device guard, and the dtype and op tables of ``driver``.
 
 The uneven all-gather takes one of three forms, by the size of the gathered buffer, after
 published measurements of the three (UCC's TL/NCCL all-gather-v, openucx/ucc#347: one node, 8
@@ -21,7 +21,7 @@ import time
 from collections.abc import Sequence
 from typing import Any
 
-from gpucoll.backends.nccl.codes import reduce_plan, wire
+from gpucoll.backends.nccl.driver import reduce_plan, wire
 from gpucoll.backends.nccl.watch import EventWork
 from gpucoll.ops import ReduceOp
 
