@@ -15,7 +15,8 @@ from conftest import cuda_available
 
 from gpucoll import cuda
 from gpucoll.arrays import SUPPORTED_DTYPES, dtype_from_name
-from gpucoll.backends.nccl import boot, driver
+from gpucoll.backends.nccl import backend as nccl_backend
+from gpucoll.backends.nccl import driver
 from gpucoll.backends.nccl.auto import library_version
 from gpucoll.errors import CollectiveTimeout, NcclFailure, PeerFailure
 from gpucoll.ops import ReduceOp
@@ -119,8 +120,8 @@ def test_every_nccl_result_code_becomes_a_gpucoll_error_naming_it():
 
 
 def test_the_real_unique_id_travels_through_the_store(store_server):
-    sent = boot.share_unique_id(store_server, 0, nc, 5, None)
-    got = boot.share_unique_id(store_server, 1, nc, 5, None)
+    sent = nccl_backend.share_unique_id(store_server, 0, nc, 5, None)
+    got = nccl_backend.share_unique_id(store_server, 1, nc, 5, None)
     assert len(sent) == 128 and got == sent
     assert bytes(nc.UniqueId.from_bytes(got)) == sent
 
