@@ -21,7 +21,7 @@ from pathlib import Path
 from types import ModuleType
 from typing import Any
 
-from gpucoll.errors import TopologyUnavailable
+from gpucoll.errors import TopologyUnavailable, install_hint
 from gpucoll.topology.layout import (
     Device,
     Finding,
@@ -77,8 +77,6 @@ def load_nvml() -> ModuleType:
     try:
         import pynvml
     except ImportError:
-        from gpucoll.extras import install_hint
-
         raise TopologyUnavailable(f"NVML bindings missing: {install_hint('pynvml')}") from None
     return pynvml
 

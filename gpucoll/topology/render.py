@@ -38,7 +38,7 @@ from collections import Counter
 from dataclasses import dataclass
 from pathlib import Path
 
-from gpucoll.errors import TopologyParseError, TopologyUnavailable
+from gpucoll.errors import TopologyParseError, TopologyUnavailable, require
 from gpucoll.topology.layout import (
     BANDWIDTH_CLASSES,
     LEGEND,
@@ -345,8 +345,6 @@ _COLOURS = {"gpu": "#c8e6c9", "nic": "#bbdefb", "switch": "#ffe0b2"}
 
 def render_png(layout: Layout, path: str | Path) -> Path:
     """Draw the layout into ``path`` (PNG) and return the path."""
-    from gpucoll.extras import require
-
     require("matplotlib", "topo --png")
     from matplotlib.backends.backend_agg import FigureCanvasAgg
     from matplotlib.figure import Figure
