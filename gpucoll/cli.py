@@ -8,7 +8,7 @@ import sys
 # subcommand -> (module with main(argv) -> int, one-line help)
 COMMANDS = {
     "run": ("gpucoll.launch.cli", "start N ranks of a script (like torchrun)"),
-    "topo": ("gpucoll.topology.cli", "show the NVLink/PCIe layout of this machine"),
+    "topo": ("gpucoll.topology.render", "show the NVLink/PCIe layout of this machine"),
     "bench": ("gpucoll.bench.cli", "measure collective bandwidth, nccl-tests style"),
     "info": ("gpucoll.info", "what this machine can do: CuPy, CUDA, NCCL, devices, backend"),
     "store": ("gpucoll.store.server", "run a standalone key-value store for multi-node jobs"),

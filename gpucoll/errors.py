@@ -1,11 +1,20 @@
-"""The one error hierarchy of gpucoll.
+"""The one error hierarchy of gpucoll, and the one error a missing optional package gives.
 
 Every message names the operation, this rank and the peer or key involved. The classes are
 picklable (a worker's error travels to its launcher) and reuse the standard exceptions where
 they fit: a deadline passing is also a ``TimeoutError``.
+
+Optional packages: ``PACKAGES`` says which extra of gpucoll installs each.
+``require("matplotlib", "topo --png")`` imports and returns the module, or raises
+``MissingPackage`` whose message is the whole story in one line: what needs it and the command
+that installs it (``pip install "gpucoll[topo]"``). The ``gpucoll`` command prints that line
+instead of a traceback.
 """
 
 from __future__ import annotations
+
+import importlib
+from types import ModuleType
 
 
 class GpucollError(Exception):
@@ -43,7 +52,7 @@ class UsageError(GpucollError, RuntimeError):
 
 class MissingPackage(GpucollError, ImportError):
     """An optional package a feature needs is not installed; the message names the extra of
-    gpucoll that installs it (``gpucoll.extras.require``)."""
+    gpucoll that installs it (``require``)."""
 
 
 class StoreError(GpucollError):
@@ -114,6 +123,40 @@ class NcclFailure(GpucollError):
 
     def __reduce__(self):
         return (type(self), (str(self), self.status))
+
+
+# ---- optional packages: which extra of gpucoll installs each -------------------------------------
+
+# module imported -> (package on PyPI, extra of gpucoll that installs it; None: no extra does)
+PACKAGES = {
+    "matplotlib": ("matplotlib", "topo"),
+    "pynvml": ("nvidia-ml-py", "topo"),
+    "ml_dtypes": ("ml_dtypes", "cuda12"),
+    "cupy": ("cupy-cuda12x", "cuda12"),
+    "torch": ("torch", None),
+    "mpi4py": ("mpi4py", None),
+}
+
+
+def install_hint(module: str) -> str:
+    """The command that installs ``module``: gpucoll's extra where one has it."""
+    package, extra = PACKAGES.get(module.split(".")[0], (module.split(".")[0], None))
+    return f'pip install "gpucoll[{extra}]"' if extra else f"pip install {package}"
+
+
+def missing(module: str, purpose: str) -> MissingPackage:
+    """The error for ``purpose`` (e.g. ``topo --png``) when ``module`` cannot be imported."""
+    package = PACKAGES.get(module.split(".")[0], (module,))[0]
+    return MissingPackage(f"{purpose} needs {package}, which is not installed: "
+                          f"{install_hint(module)}")
+
+
+def require(module: str, purpose: str) -> ModuleType:
+    """``module`` imported, or MissingPackage naming the extra that installs it."""
+    try:
+        return importlib.import_module(module)
+    except ImportError:
+        raise missing(module, purpose) from None
 
 
 __all__ = [

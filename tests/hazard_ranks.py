@@ -12,7 +12,8 @@ from nccl_emulation import EmulatedRuntime, FakeDeviceArray
 from nccl_ranks import check_reduced, emulated
 
 from gpucoll import cuda
-from gpucoll.backends.nccl import NcclBackend, boot
+from gpucoll.backends.nccl import NcclBackend
+from gpucoll.backends.nccl import backend as nccl_backend
 from gpucoll.default import create
 from gpucoll.errors import CollectiveTimeout, GpucollError, PeerFailure
 from gpucoll.store import PrefixStore, TCPStore, parse_address
@@ -27,8 +28,8 @@ def _only_the_store_steps(store: TCPStore, rank: int, n: int) -> None:
     """What a rank does of NCCL's start-up before it enters NCCL: arrive, read the id."""
     ns = PrefixStore("g/", store)
     liveness = Liveness.of(ns, rank, n)
-    boot.arrive(ns, rank, n, 30, liveness)
-    boot.share_unique_id(ns, rank, None, 30, liveness)
+    nccl_backend.arrive(ns, rank, n, 30, liveness)
+    nccl_backend.share_unique_id(ns, rank, None, 30, liveness)
 
 
 def start_up_without_a_peer(rank: int, n: int, addr: str, dies: bool) -> str:
@@ -46,7 +47,7 @@ def start_up_without_a_peer(rank: int, n: int, addr: str, dies: bool) -> str:
             return ""
         # the deadline is for NCCL's part: rank 1's store steps, however late on a loaded
         # machine, must not run it out (rank 1 would then miss the unique id)
-        PrefixStore("g/", store).wait([boot.ARRIVE_KEY.format(1)], timeout=30)
+        PrefixStore("g/", store).wait([nccl_backend.ARRIVE_KEY.format(1)], timeout=30)
         try:
             NcclBackend(PrefixStore("g/", store), 0, n, timeout=1.5)
         except (CollectiveTimeout, PeerFailure) as exc:

@@ -11,7 +11,7 @@ import numpy as np
 from nccl_ranks import check_reduced, data, dev, emulated, reduce_all
 
 import gpucoll
-from gpucoll.backends.nccl import grouped as nccl_grouped
+from gpucoll.backends.nccl import backend as nccl_backend
 
 
 def _host(a) -> np.ndarray:
@@ -49,9 +49,9 @@ def out_of_place(rank: int, n: int, addr: str) -> list[str]:
 def uneven(rank: int, n: int, addr: str, form: str) -> list[str]:
     """Every uneven call; ``form`` picks the all-gather's form for these small sizes."""
     if form == "padded":
-        nccl_grouped.PADDED_MIN_BYTES, nccl_grouped.PADDED_MAX_WASTE = 0, 100.0
+        nccl_backend.PADDED_MIN_BYTES, nccl_backend.PADDED_MAX_WASTE = 0, 100.0
     elif form == "sends":
-        nccl_grouped.BROADCAST_MAX_BYTES = -1
+        nccl_backend.BROADCAST_MAX_BYTES = -1
     with emulated(addr, rank, n) as (rt, comm):
         mine = data(rank, (rank + 1, 3), np.float32)
         rows = [data(r, (r + 1, 3), np.float32) for r in range(n)]

@@ -11,8 +11,7 @@ import sys
 import pytest
 
 import gpucoll
-from gpucoll.errors import GpucollError, MissingPackage
-from gpucoll.extras import install_hint, require
+from gpucoll.errors import GpucollError, MissingPackage, install_hint, require
 
 TOPOLOGY = os.path.join(os.path.dirname(__file__), "data", "topology")
 
@@ -86,7 +85,7 @@ def test_the_extras_named_exist_in_the_project():
     root = os.path.dirname(os.path.dirname(os.path.abspath(gpucoll.__file__)))
     with open(os.path.join(root, "pyproject.toml")) as f:
         text = f.read()
-    from gpucoll.extras import PACKAGES
+    from gpucoll.errors import PACKAGES
 
     for package, extra in PACKAGES.values():
         if extra is not None:

@@ -248,7 +248,7 @@ LAUNCHERS = {
 @pytest.mark.parametrize("launcher", sorted(LAUNCHERS))
 def test_the_device_a_rank_picks_is_the_local_rank_it_reports(rt, monkeypatch, launcher):
     from gpucoll import rendezvous
-    from gpucoll.backends.nccl.boot import pick_device
+    from gpucoll.backends.nccl.backend import pick_device
 
     for var in [v for env in LAUNCHERS.values() for v in env] + ["GPUCOLL_STORE"]:
         monkeypatch.delenv(var, raising=False)

@@ -58,7 +58,6 @@ LAYER_OF = {
     "gpucoll.work": "leaf",
     "gpucoll.cuda": "leaf",
     "gpucoll.waiting": "leaf",
-    "gpucoll.extras": "leaf",
     "gpucoll.topology": "topology",
 }
 ORDER = ["leaf", "store", "transport", "backends", "communicator", "launch", "cli"]
@@ -150,7 +149,7 @@ def test_the_store_knows_nothing_of_arrays():
 
 def test_topology_imports_nothing_of_the_collective_layers():
     assert [(a, b) for a, b in internal_edges("topology")
-            if layer(b) != "topology" and b not in ("gpucoll.errors", "gpucoll.extras")] == []
+            if layer(b) != "topology" and b not in ("gpucoll.errors",)] == []
 
 
 def test_only_layers_that_run_collectives_use_topology():

@@ -15,7 +15,8 @@ from conftest import cuda_available
 
 from gpucoll import cuda
 from gpucoll.arrays import SUPPORTED_DTYPES, dtype_from_name
-from gpucoll.backends.nccl import boot, codes, driver
+from gpucoll.backends.nccl import backend as nccl_backend
+from gpucoll.backends.nccl import driver
 from gpucoll.backends.nccl.auto import library_version
 from gpucoll.errors import CollectiveTimeout, NcclFailure, PeerFailure
 from gpucoll.ops import ReduceOp
@@ -70,14 +71,14 @@ def test_every_cupy_name_the_runtime_uses_exists():
 
 
 def test_dtype_and_op_codes_are_nccl4pys():
-    for name, code in codes.DTYPE_CODES.items():
+    for name, code in driver.DTYPE_CODES.items():
         assert nc.NcclDataType.from_numpy_dtype(dtype_from_name(name)) == code, name
-    for op, code in codes.OP_CODES.items():
+    for op, code in driver.OP_CODES.items():
         assert nc.NcclRedOp[op.name] == code, op
 
 
 def test_the_dtype_table_lists_only_dtypes_gpucoll_accepts():
-    assert set(codes.DTYPE_CODES) <= set(SUPPORTED_DTYPES)
+    assert set(driver.DTYPE_CODES) <= set(SUPPORTED_DTYPES)
 
 
 def test_a_cupy_view_of_a_pointer_is_what_nccl4py_reads_as_that_buffer():
@@ -92,10 +93,10 @@ def test_a_cupy_view_of_a_pointer_is_what_nccl4py_reads_as_that_buffer():
 
 
 def test_complex_sums_travel_as_float_pairs_and_complex_prod_is_refused():
-    plan = codes.reduce_plan(ReduceOp.AVG, np.dtype(np.complex64), "all_reduce")
+    plan = driver.reduce_plan(ReduceOp.AVG, np.dtype(np.complex64), "all_reduce")
     assert (plan.native, plan.dtype, plan.op, plan.factor) == (True, np.float32, 4, 2)
     with pytest.raises(TypeError, match="all_reduce.*'prod'.*complex128"):
-        codes.reduce_plan(ReduceOp.PROD, np.dtype(np.complex128), "all_reduce")
+        driver.reduce_plan(ReduceOp.PROD, np.dtype(np.complex128), "all_reduce")
 
 
 def test_in_progress_is_not_an_error_and_every_other_result_code_is_one():
@@ -119,8 +120,8 @@ def test_every_nccl_result_code_becomes_a_gpucoll_error_naming_it():
 
 
 def test_the_real_unique_id_travels_through_the_store(store_server):
-    sent = boot.share_unique_id(store_server, 0, nc, 5, None)
-    got = boot.share_unique_id(store_server, 1, nc, 5, None)
+    sent = nccl_backend.share_unique_id(store_server, 0, nc, 5, None)
+    got = nccl_backend.share_unique_id(store_server, 1, nc, 5, None)
     assert len(sent) == 128 and got == sent
     assert bytes(nc.UniqueId.from_bytes(got)) == sent
 

@@ -10,8 +10,8 @@ from multiproc import spawn
 from test_ring import CHECKS, data
 
 import gpucoll.topology
+from gpucoll import backends
 from gpucoll.arrays import as_ref
-from gpucoll.backends import ring_order
 from gpucoll.ops import ReduceOp
 
 # small (direct exchange) and > 64 KiB per rank in float64 (the ring and chain schedules)
@@ -82,7 +82,7 @@ def test_an_order_that_is_not_a_permutation_of_the_ranks_is_a_value_error(order)
 
 
 def test_this_gpu_less_machine_keeps_rank_order():
-    assert ring_order.topology_order(4) is None
+    assert backends.topology_order(4) is None
 
 
 class _Devices:
@@ -94,24 +94,24 @@ class _Devices:
 
 
 def test_each_rank_uses_the_gpu_of_its_local_rank(monkeypatch):
-    monkeypatch.setattr(ring_order.cuda, "runtime", lambda: _Devices(4))
+    monkeypatch.setattr(backends.cuda, "runtime", lambda: _Devices(4))
     monkeypatch.delenv("CUDA_VISIBLE_DEVICES", raising=False)
-    assert ring_order.rank_devices(4) == [0, 1, 2, 3]
+    assert backends.rank_devices(4) == [0, 1, 2, 3]
     monkeypatch.setenv("CUDA_VISIBLE_DEVICES", "6,4,5,7")
-    assert ring_order.rank_devices(4) == [6, 4, 5, 7]
+    assert backends.rank_devices(4) == [6, 4, 5, 7]
     monkeypatch.setenv("CUDA_VISIBLE_DEVICES", "GPU-1a,GPU-2b,GPU-3c,GPU-4d")
-    assert ring_order.rank_devices(4) is None
+    assert backends.rank_devices(4) is None
 
 
 def test_ranks_sharing_gpus_keep_rank_order(monkeypatch):
-    monkeypatch.setattr(ring_order.cuda, "runtime", lambda: _Devices(2))
-    assert ring_order.rank_devices(4) is None
+    monkeypatch.setattr(backends.cuda, "runtime", lambda: _Devices(2))
+    assert backends.rank_devices(4) is None
 
 
 def test_the_gpu_ring_becomes_a_rank_order(monkeypatch):
-    monkeypatch.setattr(ring_order, "rank_devices", lambda size: [4, 5, 6, 7])
+    monkeypatch.setattr(backends, "rank_devices", lambda size: [4, 5, 6, 7])
     monkeypatch.setattr(gpucoll.topology, "probe_ring_order", lambda gpus: [4, 6, 7, 5])
-    assert ring_order.topology_order(4) == [0, 2, 3, 1]
+    assert backends.topology_order(4) == [0, 2, 3, 1]
 
 
 @pytest.mark.parametrize("answer", [[4, 6, 9, 5], None, RuntimeError("NVML went away")])
@@ -121,9 +121,9 @@ def test_a_topology_answer_that_does_not_fit_keeps_rank_order(monkeypatch, answe
             raise answer
         return answer
 
-    monkeypatch.setattr(ring_order, "rank_devices", lambda size: [4, 5, 6, 7])
+    monkeypatch.setattr(backends, "rank_devices", lambda size: [4, 5, 6, 7])
     monkeypatch.setattr(gpucoll.topology, "probe_ring_order", probe)
-    assert ring_order.topology_order(4) is None
+    assert backends.topology_order(4) is None
 
 
 def _build_ring(rank, n, addr, fake):
@@ -134,7 +134,7 @@ def _build_ring(rank, n, addr, fake):
     from gpucoll.store import PrefixStore, TCPStore
 
     if fake:
-        ring_order.rank_devices = lambda size: list(range(size))
+        backends.rank_devices = lambda size: list(range(size))
         suggestion = [0, 2, 3, 1] if rank == 0 else [0, 3, 2, 1]
         gpucoll.topology.probe_ring_order = lambda gpus: suggestion
     host, port = addr.removeprefix("tcp://").rsplit(":", 1)

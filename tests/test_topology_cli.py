@@ -8,8 +8,8 @@ from pathlib import Path
 
 import pytest
 
-from gpucoll.topology.cli import main
 from gpucoll.topology.probe import read_sysfs
+from gpucoll.topology.render import main
 from gpucoll.topology.smi import read_smi
 
 DATA = Path(__file__).parent / "data" / "topology"

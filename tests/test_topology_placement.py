@@ -10,7 +10,6 @@ import pytest
 from test_topology_readers import FakeNvml, build_sysfs, recorded
 
 from gpucoll.topology import load, probe
-from gpucoll.topology.cli import main
 from gpucoll.topology.placement import (
     choose_gpus,
     format_cpulist,
@@ -19,6 +18,7 @@ from gpucoll.topology.placement import (
     suggest,
     visible_indices,
 )
+from gpucoll.topology.render import main
 from gpucoll.topology.smi import parse_smi
 
 DATA = Path(__file__).parent / "data" / "topology"

@@ -13,9 +13,9 @@ from types import SimpleNamespace
 import pytest
 
 from gpucoll.topology import TopologyUnavailable, probe
-from gpucoll.topology.cli import main
-from gpucoll.topology.facts import PciDevice
+from gpucoll.topology.layout import PciDevice
 from gpucoll.topology.probe import cpulist, normalize_bus_id, pci_label, read_nvml, read_sysfs
+from gpucoll.topology.render import main
 from gpucoll.topology.smi import read_smi
 
 DATA = Path(__file__).parent / "data" / "topology"

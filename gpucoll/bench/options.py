@@ -188,7 +188,7 @@ def parse_size(text: str) -> int:
 def numpy_dtype(name: str) -> np.dtype:
     """The NumPy dtype for an nccl-tests type name or a NumPy dtype name."""
     if name == "bfloat16":
-        from gpucoll.extras import require
+        from gpucoll.errors import require
 
         return np.dtype(require("ml_dtypes", "datatype bfloat16").bfloat16)
     return np.dtype(NCCL_TYPES.get(name, name))
@@ -418,6 +418,6 @@ def check_outputs(opts: BenchOptions) -> None:
         if path and not os.path.isdir(os.path.dirname(os.path.abspath(path))):
             raise SystemExit(f"gpucoll bench: error: {flag} {path}: no such directory")
     if opts.plot and importlib.util.find_spec("matplotlib") is None:
-        from gpucoll.extras import missing
+        from gpucoll.errors import missing
 
         raise SystemExit(f"gpucoll bench: error: {missing('matplotlib', '--plot')}")

@@ -265,7 +265,7 @@ def plot(path: str, runs: list[dict[str, Any]], ceilings: list[dict[str, Any]],
 
 def figure(runs: list[dict[str, Any]], ceilings: list[dict[str, Any]], title: str = "") -> Any:
     """The matplotlib figure ``plot`` writes (the caller closes it)."""
-    from gpucoll.extras import require
+    from gpucoll.errors import require
 
     matplotlib = require("matplotlib", "--plot")
     matplotlib.use("Agg")

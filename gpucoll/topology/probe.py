@@ -21,17 +21,21 @@ from pathlib import Path
 from types import ModuleType
 from typing import Any
 
-from gpucoll.errors import TopologyUnavailable
-from gpucoll.topology.facts import (
+from gpucoll.errors import TopologyUnavailable, install_hint
+from gpucoll.topology.layout import (
+    Device,
+    Finding,
+    Layout,
     NvLink,
     NvmlFacts,
     NvmlGpu,
     NvmlPair,
+    Observed,
     PciDevice,
     PcieLink,
     SysfsFacts,
+    analyze,
 )
-from gpucoll.topology.layout import Device, Finding, Layout, Observed, analyze
 from gpucoll.topology.smi import observed_from_smi, read_smi
 
 # ---- probe and load ------------------------------------------------------------------------------
@@ -73,8 +77,6 @@ def load_nvml() -> ModuleType:
     try:
         import pynvml
     except ImportError:
-        from gpucoll.extras import install_hint
-
         raise TopologyUnavailable(f"NVML bindings missing: {install_hint('pynvml')}") from None
     return pynvml
 

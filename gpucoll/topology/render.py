@@ -1,5 +1,7 @@
 """The layout shown: as text (the matrix as nvidia-smi prints it, with its legend, then what the
-layout found, and ``--suggest``'s placement), as JSON, as a Graphviz graph, as a PNG.
+layout found, and ``--suggest``'s placement), as JSON, as a Graphviz graph, as a PNG; and
+``gpucoll topo`` (:func:`main`), which shows the NVLink/PCIe layout of this machine or of a saved
+nvidia-smi output in any of these forms.
 
 The JSON is a stable schema (version in ``schema``; fields are only ever added). Top level::
 
@@ -27,13 +29,16 @@ links) and close PCIe paths (grey, dashed); matplotlib is imported only for the 
 
 from __future__ import annotations
 
+import argparse
 import dataclasses
 import json
 import math
+import sys
 from collections import Counter
 from dataclasses import dataclass
 from pathlib import Path
 
+from gpucoll.errors import TopologyParseError, TopologyUnavailable, require
 from gpucoll.topology.layout import (
     BANDWIDTH_CLASSES,
     LEGEND,
@@ -340,8 +345,6 @@ _COLOURS = {"gpu": "#c8e6c9", "nic": "#bbdefb", "switch": "#ffe0b2"}
 
 def render_png(layout: Layout, path: str | Path) -> Path:
     """Draw the layout into ``path`` (PNG) and return the path."""
-    from gpucoll.extras import require
-
     require("matplotlib", "topo --png")
     from matplotlib.backends.backend_agg import FigureCanvasAgg
     from matplotlib.figure import Figure
@@ -476,3 +479,57 @@ def _title(layout: Layout) -> str:
     return (f"{Path(source).name}\n{len(layout.gpus)} GPUs, {len(layout.nics)} NICs, "
             f"NVSwitch {'yes' if layout.nvswitch else 'no'}, ring: {ring}, "
             f"{len(layout.warnings)} warning(s)")
+
+
+# ---- gpucoll topo --------------------------------------------------------------------------------
+
+def parser() -> argparse.ArgumentParser:
+    p = argparse.ArgumentParser(
+        prog="gpucoll topo",
+        description="Show what connects to what: the nvidia-smi style matrix with its legend, "
+                    "NVLink islands, NVSwitch, nearest NICs, CPU affinity, a suggested ring "
+                    "order and warnings.")
+    p.add_argument("--from", dest="source", metavar="FILE",
+                   help="read a saved `nvidia-smi topo -m` output instead of probing")
+    p.add_argument("--json", action="store_true", help="print the layout as JSON")
+    p.add_argument("--dot", action="store_true", help="print a Graphviz graph")
+    p.add_argument("--png", metavar="FILE", help="also draw a picture into FILE")
+    p.add_argument("--sysfs-root", default="/", metavar="DIR",
+                   help="read DIR/sys/bus/pci/devices (a copied tree) instead of /")
+    p.add_argument("--suggest", type=int, metavar="N",
+                   help="print where N ranks should run: the CUDA_VISIBLE_DEVICES order, each "
+                        "rank's CPUs and NICs (what `gpucoll run --bind` applies)")
+    return p
+
+
+def main(argv: list[str] | None = None) -> int:
+    args = parser().parse_args(argv)
+    if args.json and args.dot:
+        print("gpucoll topo: choose one of --json and --dot", file=sys.stderr)
+        return 2
+    if args.suggest is not None and (args.suggest < 1 or args.dot or args.png):
+        print("gpucoll topo: --suggest takes a number of ranks (1 or more), with --json or "
+              "alone", file=sys.stderr)
+        return 2
+    from gpucoll.topology.probe import load, probe
+
+    try:
+        layout = load(args.source) if args.source else probe(sysfs_root=args.sysfs_root)
+    except (TopologyUnavailable, TopologyParseError) as exc:
+        print(f"gpucoll topo: {exc}", file=sys.stderr)
+        return 1
+    if args.suggest is not None:
+        print(render_suggestion(layout, args.suggest, as_json=args.json), end="")
+        return 0
+    print(_render(layout, args), end="")
+    if args.png:
+        render_png(layout, args.png)
+    return 0
+
+
+def _render(layout, args: argparse.Namespace) -> str:
+    if args.json:
+        return render_json(layout)
+    if args.dot:
+        return render_dot(layout)
+    return render_text(layout)

@@ -22,8 +22,7 @@ import re
 from pathlib import Path
 
 from gpucoll.errors import TopologyParseError
-from gpucoll.topology.facts import SmiFacts
-from gpucoll.topology.layout import Device, Finding, Observed, is_label
+from gpucoll.topology.layout import Device, Finding, Observed, SmiFacts, is_label
 
 # Columns printed after the matrix, longest first (GPU NUMA ID contains NUMA ID).
 KNOWN_EXTRAS = ("CPU Affinity", "NUMA Affinity", "GPU NUMA ID", "NUMA ID")

@@ -1,12 +1,11 @@
 """The NCCL backend, driven through nccl4py (NVIDIA's NCCL binding).
 
-- ``backend``: ``NcclBackend``, the collectives on device arrays;
-- ``grouped``: its out-of-place, uneven, coalesced and batched calls;
+- ``backend``: ``NcclBackend``, the collectives on device arrays (out-of-place, uneven, coalesced
+  and batched calls included), and its start-up through the store: device choice, arrival, the
+  unique id;
 - ``driver``: one non-blocking NCCL communicator, polled so that no call blocks past its
-  deadline, aborted once on a failure;
+  deadline, aborted once on a failure; NCCL's datatype and op codes for gpucoll's dtypes and ops;
 - ``watch``: the watchdog thread and the event-backed ``Work``;
-- ``boot``: device choice, arrival in the store, the unique id;
-- ``codes``: NCCL's datatype and op codes for gpucoll's dtypes and ops;
 - ``auto``: whether ``backend="auto"`` picks NCCL, and why.
 
 Nothing here imports CuPy or nccl4py at import time.

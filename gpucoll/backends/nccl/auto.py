@@ -16,7 +16,7 @@ import socket
 from typing import Any
 
 from gpucoll import cuda
-from gpucoll.backends.nccl.boot import pick_device
+from gpucoll.backends.nccl.backend import pick_device
 from gpucoll.store.gather import Liveness, gather
 
 KEY = "auto/{}"

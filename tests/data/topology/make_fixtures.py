@@ -157,7 +157,7 @@ def nvml_record(sysfs: list[dict], smi: str, model: str, memory: int, switches: 
 
 
 def _pci_label(a: dict, b: dict) -> str:
-    from gpucoll.topology.facts import PciDevice
+    from gpucoll.topology.layout import PciDevice
     from gpucoll.topology.probe import pci_label
 
     def pci(d):
