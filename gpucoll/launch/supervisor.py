@@ -54,6 +54,7 @@ import time
 from collections.abc import Iterator
 from typing import Any, BinaryIO
 
+from gpucoll.dumps import FACTS_FILE
 from gpucoll.launch.config import Binding, LaunchConfig, rank_env
 from gpucoll.rendezvous import store_url
 
@@ -345,8 +346,9 @@ class RemoteAbort:
 
 # ---- asking the doctor about the job -------------------------------------------------------------
 
-FACTS_FILE = "launcher.json"
-DOCTOR_WAIT_S = 5.0  # how long the ranks get to answer (a loaded machine is slow to)
+# how long the ranks get to answer: the doctor stops waiting once every rank has, so this is
+# paid only for a rank that cannot answer; on a loaded machine a healthy rank took over 5 s
+DOCTOR_WAIT_S = 15.0
 DOCTOR_LIMIT_S = 30.0  # the doctor's whole run, at most
 
 
