@@ -265,8 +265,9 @@ def _register(flight: Flight) -> None:
             key = _listener_key(flight)
             listener = _LISTENERS.get(key)
             if listener is None:
-                listener = _LISTENERS[key] = _Listener(flight.base, key[-1])
-            listener.flights.add(flight)
+                _LISTENERS[key] = _Listener(flight.base, key[-1], flight)
+            else:
+                listener.flights.add(flight)
     _install_handler()
 
 
@@ -379,9 +380,10 @@ class _Listener:
     """Waits in the store, on a connection of its own, for ``gpucoll doctor`` to ask, and
     answers for the communicators of this process in the job under ``root``."""
 
-    def __init__(self, base: Any, root: str):
+    def __init__(self, base: Any, root: str, first: Flight):
         self.base, self.root = base, root
-        self.flights: weakref.WeakSet = weakref.WeakSet()
+        # ``first`` is in before the thread starts: the thread ends once the set is empty
+        self.flights: weakref.WeakSet = weakref.WeakSet([first])
         self._stopped = threading.Event()
         self._client: Any = None
         self._thread = threading.Thread(target=self._run, daemon=True,

@@ -418,3 +418,22 @@ def test_gpucoll_lists_the_doctor_command():
     proc = subprocess.run([sys.executable, "-m", "gpucoll", "--help"], capture_output=True,
                           text=True, timeout=60)
     assert "doctor" in proc.stdout
+
+
+def test_a_ranks_listener_keeps_serving_however_late_the_thread_that_made_it_runs(store_server):
+    from gpucoll.dumps import _Listener
+    from gpucoll.store import TCPStore
+
+    class Flight:  # a communicator's flight, as far as the listener holds it (weakly)
+        pass
+
+    flight = Flight()
+    with TCPStore("127.0.0.1", store_server.port, timeout=10) as base:
+        listener = _Listener(base, "gpucoll/jobs/late", flight)
+        time.sleep(1.0)  # the maker is slow to run again, as on a loaded machine
+        try:
+            assert listener._thread.is_alive()  # it would have ended, seeing no communicator
+        finally:
+            listener.stop()
+            listener.join(10)
+    assert not listener._thread.is_alive()

@@ -346,9 +346,7 @@ class RemoteAbort:
 
 # ---- asking the doctor about the job -------------------------------------------------------------
 
-# how long the ranks get to answer: the doctor stops waiting once every rank has, so this is
-# paid only for a rank that cannot answer; on a loaded machine a healthy rank took over 5 s
-DOCTOR_WAIT_S = 15.0
+DOCTOR_WAIT_S = 5.0  # how long the ranks get to answer (a loaded machine is slow to)
 DOCTOR_LIMIT_S = 30.0  # the doctor's whole run, at most
 
 
