@@ -107,6 +107,9 @@ def test_sending_to_oneself_is_a_value_error_that_leaves_the_backend_usable(stor
 
 
 def _interrupted(rank, n, addr):
+    # a process started in the background by a shell inherits SIGINT ignored: Python then
+    # installs no KeyboardInterrupt handler, and the interrupt this test sends would be lost
+    signal.signal(signal.SIGINT, signal.default_int_handler)
     store, b = open_backend(rank, n, addr, "shm", timeout=LONG)
     try:
         return _loop_until_error(b, 0, rank, signal.SIGINT)
