@@ -41,6 +41,7 @@ import numpy as np
 import gpucoll
 from gpucoll.errors import GpucollError
 from gpucoll.store import TCPStore
+from gpucoll.transport.engine import FRAME_BYTES
 
 DEFAULT_JSON = Path(__file__).resolve().parent.parent / "results" / "faults.json"
 
@@ -152,7 +153,6 @@ def _share_rank(rank: int, port: int, mib: int, calls: int, results) -> None:
     """One rank of ``--share``: (messages sent, received, bytes sent) in one call, and the
     calls' median seconds."""
     from gpucoll.backends import ring_algos
-    from gpucoll.transport.engine import FRAME_BYTES
 
     counts = {"send": 0, "recv": 0, "bytes": 0}
 
@@ -206,7 +206,7 @@ def header_share(mib: int, calls: int) -> dict:
         rows.append({"rank": rank, "sent": one["send"], "received": one["recv"],
                      "call_s": seconds, "header_ns": ns,
                      "time_share": ns / (seconds * 1e9),
-                     "byte_share": one["send"] * 32 / one["bytes"]})
+                     "byte_share": one["send"] * FRAME_BYTES / one["bytes"]})
     return {"mib": mib, "calls": calls, "build_ns": build, "check_ns": check, "ranks": rows}
 
 
