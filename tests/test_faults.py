@@ -544,12 +544,14 @@ CALLS = {
 
 def _disagree(rank, n, addr, case):
     """Rank 1 calls something else. Calls that only send (a broadcast's root) may return; the
-    disagreement is then caught by the next receive or, here, by close()."""
+    disagreement is then caught by the next receive or, here, by close(). A rank still finishing
+    the barrier when a peer that left it first sees the disagreement fails in the barrier: the
+    notice may overtake the barrier's last message, which comes over another connection."""
     side = _side(addr)
     comm = _open(rank, n, addr)
-    comm.barrier()
-    side.set("started", repr(time.time()))
     try:
+        comm.barrier()
+        side.set("started", repr(time.time()))
         CALLS[case](comm, rank == 1)
         comm.close()
     except GpucollError as exc:
