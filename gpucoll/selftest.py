@@ -17,6 +17,11 @@ On real devices it runs, each check in processes of its own:
 Exit status: 0 every check passed, 1 a check failed, 2 nothing could run (no CUDA device, or
 nccl4py missing): the report then says why, and that nothing ran on a GPU.
 
+``gpucoll info`` (at the end of this module) is the quick look that comes first: CuPy, CUDA,
+NCCL (through nccl4py), the devices, and the backend ``auto`` would pick and why. Every probe
+catches its own failure and reports it as text, so it prints a full report (and exits 0) on a
+machine without a GPU, without CuPy or without NCCL; the self-check's report starts with it.
+
 What is here, in this order:
 
 - the command and ``run``: which checks this machine allows, on how many ranks and GPUs, and
@@ -51,6 +56,7 @@ import numpy as np
 
 from gpucoll import cuda
 from gpucoll.arrays import SUPPORTED_DTYPES, dtype_from_name
+from gpucoll.backends.nccl.auto import library_version, local_verdict, several_ranks_per_gpu
 from gpucoll.default import create
 from gpucoll.errors import CollectiveTimeout, GpucollError, PeerFailure
 from gpucoll.ops import ReduceOp, check_op_dtype
@@ -73,8 +79,6 @@ def run(*, quick: bool = False, nccl_tests: str | None = None, timeout: float = 
         setup: Callable | None = None) -> Report:
     """Every check this machine allows. ``setup(store_address)`` (tests only) prepares each
     rank process and returns its device-array maker; None: CuPy on the real devices."""
-    from gpucoll.backends.nccl.auto import library_version, several_ranks_per_gpu
-    from gpucoll.info import collect
 
     rt = cuda.runtime()
     report = Report(collect(), rt.name)
@@ -618,6 +622,111 @@ def as_json(report: Report) -> dict[str, Any]:
     data = dataclasses.asdict(report)
     data["outcome"], data["status"] = report.outcome, report.status
     return data
+
+
+
+# -- gpucoll info: what this machine can do ----------------------------------------------
+INFO_HELP = ("what this machine can do: CuPy, CUDA, NCCL (through nccl4py), devices, the backend "
+             "auto would pick and why")
+
+
+def _cuda_version(code: int) -> str:
+    """CUDA's integer version as text: 12090 -> "12.9"; 0 means no driver."""
+    return "none" if not code else f"{code // 1000}.{code % 1000 // 10}"
+
+
+def _probe(fn: Callable[[], Any]) -> Any:
+    try:
+        return fn()
+    except Exception as exc:  # noqa: BLE001 - a report line, never a traceback
+        return f"unavailable ({type(exc).__name__}: {exc})"
+
+
+def _cupy_version() -> str:
+    import cupy
+
+    return cupy.__version__
+
+
+def _runtime() -> Any:
+    from cupy_backends.cuda.api import runtime
+
+    return runtime
+
+
+def devices() -> list[dict[str, Any]]:
+    """Index, name, memory, compute capability and PCI bus id of every visible CUDA device."""
+    rt = _runtime()
+    found = []
+    for i in range(rt.getDeviceCount()):
+        props = rt.getDeviceProperties(i)
+        name = props["name"]
+        found.append({
+            "index": i,
+            "name": name.decode() if isinstance(name, bytes) else str(name),
+            "memory_gib": round(props["totalGlobalMem"] / 2**30, 1),
+            "compute_capability": f"{props['major']}.{props['minor']}",
+            "pci_bus_id": _probe(lambda i=i: rt.deviceGetPCIBusId(i)),
+        })
+    return found
+
+
+def _nccl() -> dict[str, str]:
+    import nccl.core as nc
+
+    return {"library": library_version(nc), "nccl4py": str(nc.get_version().nccl4py)}
+
+
+def collect() -> dict[str, Any]:
+    """Everything ``gpucoll info`` reports, as a JSON-able dict (never raises)."""
+    from gpucoll import __version__
+
+    verdict = local_verdict()
+    usable, why = verdict["ok"], verdict["why"]
+    return {
+        "gpucoll": __version__,
+        "python": sys.version.split()[0],
+        "cupy": _probe(_cupy_version),
+        "cuda_driver": _probe(lambda: _cuda_version(_runtime().driverGetVersion())),
+        "cuda_runtime": _probe(lambda: _cuda_version(_runtime().runtimeGetVersion())),
+        "nccl": _probe(_nccl),
+        "devices": _probe(devices),
+        "auto_backend": "nccl" if usable else "ring",
+        "auto_reason": (f"this process can use NCCL ({why}); auto picks it when every rank can"
+                        if usable else f"NCCL is not usable here: {why}"),
+    }
+
+
+def render_info(info: dict[str, Any]) -> str:
+    nccl = info["nccl"]
+    if isinstance(nccl, dict):
+        nccl = f"library {nccl['library']} (nccl4py {nccl['nccl4py']})"
+    devices = info["devices"]
+    lines = [
+        f"gpucoll       {info['gpucoll']} (Python {info['python']})",
+        f"CuPy          {info['cupy']}",
+        f"CUDA driver   {info['cuda_driver']}",
+        f"CUDA runtime  {info['cuda_runtime']}",
+        f"NCCL          {nccl}",
+    ]
+    if isinstance(devices, list):
+        lines.append(f"devices       {len(devices)}")
+        lines += [f"  [{d['index']}] {d['name']}, {d['memory_gib']} GiB, "
+                  f"sm {d['compute_capability']}, {d['pci_bus_id']}" for d in devices]
+    else:
+        lines.append(f"devices       {devices}")
+    lines.append(f"auto backend  {info['auto_backend']}: {info['auto_reason']}")
+    return "\n".join(lines)
+
+
+def info_main(argv: list[str] | None = None) -> int:
+    """``gpucoll info``."""
+    parser = argparse.ArgumentParser(prog="gpucoll info", description=INFO_HELP)
+    parser.add_argument("--json", action="store_true", help="print the report as JSON")
+    args = parser.parse_args(argv)
+    info = collect()
+    print(json.dumps(info, indent=2) if args.json else render_info(info))
+    return 0
 
 
 if __name__ == "__main__":

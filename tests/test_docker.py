@@ -112,7 +112,7 @@ def test_compose_offers_a_gpu_and_a_cpu_service_sharing_memory_and_results():
 
 
 def test_the_gpu_image_has_the_self_check_and_nccl4py():
-    from gpucoll.cli import COMMANDS
+    from gpucoll.__main__ import COMMANDS
 
     tomllib = pytest.importorskip("tomllib")
     extras = tomllib.loads((ROOT / "pyproject.toml").read_text())["project"][

@@ -19,7 +19,7 @@ TOPOLOGY = os.path.join(os.path.dirname(__file__), "data", "topology")
 def gpucoll_without(module: str, *argv: str, cwd=None) -> subprocess.CompletedProcess:
     """``gpucoll ARGV...`` in a subprocess where ``module`` cannot be imported."""
     code = (f"import sys; sys.modules[{module!r}] = None\n"
-            "from gpucoll.cli import main\n"
+            "from gpucoll.__main__ import main\n"
             f"sys.exit(main({list(argv)!r}))\n")
     return subprocess.run([sys.executable, "-c", code], capture_output=True, text=True,
                           timeout=120, cwd=cwd)

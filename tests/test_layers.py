@@ -2,8 +2,8 @@
 
 Data flows down, never back up::
 
-    cli (gpucoll cli, info, bench, doctor)  >  launch  >  communicator  >  backends  >  transport
-      >  store (with rendezvous, the store's bootstrap)  >  leaf utilities
+    cli (the gpucoll command, selftest, bench, doctor)  >  launch  >  communicator  >  backends
+      >  transport  >  store (with rendezvous, the store's bootstrap)  >  leaf utilities
 
 A module may import its own layer and the layers below it. Leaf utilities (errors, ops, arrays,
 work, cuda) import only each other. Topology stands apart: it imports nothing of the collective
@@ -27,9 +27,7 @@ ROOT = PACKAGE.parent
 
 # module or package -> layer; the longest matching name decides ("gpucoll" itself: the root only)
 LAYER_OF = {
-    "gpucoll.cli": "cli",
     "gpucoll.__main__": "cli",
-    "gpucoll.info": "cli",
     "gpucoll.selftest": "cli",
     "gpucoll.bench": "cli",
     "gpucoll.doctor": "cli",

@@ -51,7 +51,7 @@ NO_GPU_STACK = ("cupy", "cupy_backends", "cupy_backends.cuda", "cupy_backends.cu
 def test_without_cupy_or_nccl4py_it_says_nothing_ran_and_exits_2():
     """As in the CPU image, or after a plain ``pip install gpucoll``: no CUDA stack at all."""
     hide = f"import sys; sys.modules.update(dict.fromkeys({NO_GPU_STACK!r}))"
-    run = subprocess.run([sys.executable, "-c", f"{hide}; from gpucoll.cli import main; "
+    run = subprocess.run([sys.executable, "-c", f"{hide}; from gpucoll.__main__ import main; "
                           "raise SystemExit(main(['selftest']))"],
                          capture_output=True, text=True, timeout=120)
     assert run.returncode == 2, run.stdout + run.stderr

@@ -19,7 +19,7 @@ def test_ruff_finds_nothing():
 
 
 def test_cli_lists_every_command():
-    from gpucoll.cli import COMMANDS, usage
+    from gpucoll.__main__ import COMMANDS, usage
 
     text = usage()
     assert all(name in text for name in COMMANDS)

@@ -26,8 +26,8 @@ import sys
 from collections.abc import Callable
 from typing import Any
 
-from gpucoll import info
 from gpucoll.backends.nccl import auto as nccl_auto
+from gpucoll.selftest import devices
 
 
 def versions(*modules: str) -> dict[str, str]:
@@ -165,7 +165,7 @@ def cpu_model() -> str:
 def gpu_names() -> list[str]:
     """Names of the visible CUDA devices; empty without CuPy or a device (never raises)."""
     try:
-        return [d["name"] for d in info.devices()]
+        return [d["name"] for d in devices()]
     except Exception:
         return []
 
