@@ -51,8 +51,7 @@ from gpucoll.backends.nccl import NcclBackend
 from gpucoll.backends.nccl.driver import Driver
 from gpucoll.communicator import Communicator
 from gpucoll.ops import ReduceOp
-from gpucoll.progress import KIND
-from gpucoll.recorder import Recorder, clock
+from gpucoll.progress import KIND, Recorder, clock
 from gpucoll.store import PrefixStore, TCPStore
 
 TARGET_US = 10.0

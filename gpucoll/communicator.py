@@ -8,7 +8,7 @@ on every message, so ranks that disagree are caught). Sync calls run on the call
 calls with ``async_op=True`` return a ``Work`` and complete in issue order, except non-blocking
 sends and receives, which progress side by side.
 
-Every call also gets an entry in the communicator's flight recorder (``gpucoll.recorder``), which
+Every call also gets an entry in the communicator's flight recorder (``gpucoll.progress``), which
 ``gpucoll.dumps`` writes out when the group fails, on SIGUSR1, or when ``gpucoll doctor`` asks.
 After a lost rank, ``shrink()`` makes a communicator of the survivors.
 
@@ -64,8 +64,7 @@ from gpucoll.errors import (
 from gpucoll.fused import FusedCalls
 from gpucoll.groups import GroupCalls
 from gpucoll.objects import ObjectCalls
-from gpucoll.progress import KIND
-from gpucoll.recorder import NO_CALL, Recorder, clock, size_from_env, stream_id
+from gpucoll.progress import KIND, NO_CALL, Recorder, clock, size_from_env, stream_id
 from gpucoll.store.gather import Liveness, agree_survivors, leave_group, share, wait_for_ranks
 from gpucoll.uneven import UnevenCalls
 from gpucoll.validation import VALID_OPS, Call, SignatureCheck, check_timeout

@@ -9,7 +9,7 @@ from typing import Any
 from gpucoll.backends import create_backend, requested_name
 from gpucoll.communicator import Communicator
 from gpucoll.errors import CollectiveTimeout
-from gpucoll.recorder import size_from_env
+from gpucoll.progress import size_from_env
 from gpucoll.validation import check_timeout
 from gpucoll.work import Work
 
@@ -41,12 +41,12 @@ def init(backend: str = "auto", *, rank: int | None = None, world_size: int | No
 def create(backend: str = "auto", *, rank: int | None = None, world_size: int | None = None,
            store: Any = None, timeout: float | None = None, device: Any = None) -> Communicator:
     """What ``init`` does, without making the result the default communicator."""
-    from gpucoll import waiting
+    from gpucoll.progress import interval
     from gpucoll.store.gather import leave_group
 
     name = requested_name(backend)
     timeout = _timeout(timeout)
-    waiting.interval()  # a bad GPUCOLL_WAIT_LOG is an error here, before any wait
+    interval()  # a bad GPUCOLL_WAIT_LOG is an error here, before any wait
     size_from_env()  # a bad GPUCOLL_TRACE_SIZE is an error before anything is made
     rank, world_size, base, owned = _rendezvous(rank, world_size, store, timeout)
     space = None
@@ -128,7 +128,7 @@ def _torchrun_store(env: Any, timeout: float) -> Any:
     from torch.distributed import TCPStore as AgentStore
 
     from gpucoll import rendezvous
-    from gpucoll.waiting import Waiting
+    from gpucoll.progress import Waiting
 
     agent = AgentStore(os.environ.get("MASTER_ADDR", "127.0.0.1"),
                        int(os.environ["MASTER_PORT"]), is_master=False,

@@ -55,8 +55,7 @@ from gpucoll.errors import (
     PeerFailure,
     StoreTimeout,
 )
-from gpucoll.progress import Position, Progress
-from gpucoll.recorder import Recorder
+from gpucoll.progress import Position, Progress, Recorder
 
 DIR_VARIABLE = "GPUCOLL_TRACE_DIR"
 DUMPED = (CollectiveTimeout, PeerFailure, CollectiveMismatch)  # failures that end a group

@@ -50,12 +50,10 @@ LAYER_OF = {
     "gpucoll.rendezvous": "store",
     "gpucoll.errors": "leaf",
     "gpucoll.progress": "leaf",
-    "gpucoll.recorder": "leaf",
     "gpucoll.ops": "leaf",
     "gpucoll.arrays": "leaf",
     "gpucoll.work": "leaf",
     "gpucoll.cuda": "leaf",
-    "gpucoll.waiting": "leaf",
     "gpucoll.topology": "topology",
 }
 ORDER = ["leaf", "store", "transport", "backends", "communicator", "launch", "cli"]
@@ -136,7 +134,7 @@ def test_leaf_utilities_import_only_each_other():
 
 def test_the_store_imports_only_itself_errors_and_the_wait_notices():
     assert [(a, b) for a, b in internal_edges("store")
-            if layer(b) != "store" and b not in ("gpucoll.errors", "gpucoll.waiting")] == []
+            if layer(b) != "store" and b not in ("gpucoll.errors", "gpucoll.progress")] == []
 
 
 def test_the_store_knows_nothing_of_arrays():

@@ -14,8 +14,7 @@ import gpucoll
 from gpucoll.arrays import as_ref
 from gpucoll.dumps import write_files
 from gpucoll.ops import ReduceOp
-from gpucoll.progress import KIND
-from gpucoll.recorder import Recorder, clock, size_from_env
+from gpucoll.progress import KIND, Recorder, clock, size_from_env
 
 pytestmark = pytest.mark.timeout(120)
 

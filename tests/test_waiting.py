@@ -17,8 +17,8 @@ from multiproc import spawn
 
 import gpucoll
 from gpucoll.errors import CollectiveTimeout
+from gpucoll.progress import DEFAULT_INTERVAL, Waiting, interval
 from gpucoll.store import TCPStore
-from gpucoll.waiting import DEFAULT_INTERVAL, Waiting, interval
 
 FAST = {"GPUCOLL_WAIT_LOG": "0.2"}
 

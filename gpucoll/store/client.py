@@ -22,6 +22,7 @@ from collections.abc import Sequence
 from typing import Any
 
 from gpucoll.errors import StoreError, StoreTimeout
+from gpucoll.progress import Waiting
 from gpucoll.store.protocol import (
     DEFAULT_MAX_VALUE_BYTES,
     FRAME_SLACK,
@@ -37,7 +38,6 @@ from gpucoll.store.protocol import (
     unsent,
 )
 from gpucoll.store.server import StoreLimits, StoreServer, env_token
-from gpucoll.waiting import Waiting
 
 _WILDCARDS = {"", "0.0.0.0", "::", "*"}
 # how long past a blocking call's own timeout to wait for the server's timeout reply

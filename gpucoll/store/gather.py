@@ -19,7 +19,7 @@ from collections.abc import Sequence
 from typing import Any
 
 from gpucoll.errors import CollectiveTimeout, GpucollError, PeerFailure, StoreError, StoreTimeout
-from gpucoll.waiting import Waiting
+from gpucoll.progress import Waiting
 
 POLL = 0.5  # longest wait in the store between two looks at which ranks are gone
 LEAVE_TIMEOUT = 5.0  # what leaving a group may take at most: the store may be unresponsive
@@ -88,7 +88,7 @@ def wait_for_ranks(store: Any, keys: Sequence[str], timeout: float, *, what: str
     for every i.
 
     Every ``GPUCOLL_WAIT_LOG`` seconds (default 10) of waiting, one line on stderr names the ranks
-    still missing (``gpucoll.waiting``). At the deadline: a CollectiveTimeout saying, for operation
+    still missing (``gpucoll.progress``). At the deadline: a CollectiveTimeout saying, for operation
     ``what`` on ``rank``, which ranks are ``absent`` and after how long. With ``liveness`` the wait
     goes in slices of ``poll`` seconds, and between them one of those ranks found gone raises
     PeerFailure naming it: "rank 2 died during split on rank 0 of 3", or that it closed its

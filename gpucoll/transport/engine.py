@@ -20,7 +20,7 @@ from collections.abc import Sequence
 import numpy as np
 
 from gpucoll.errors import CollectiveMismatch, CollectiveTimeout, GpucollError, PeerFailure
-from gpucoll.waiting import Waiting
+from gpucoll.progress import Waiting
 
 SPIN_S = 50e-6  # busy polling before yielding: peers on other cores answer within this
 YIELD_S = 25e-6  # then sched_yield, only when processes outnumber cores
@@ -566,7 +566,7 @@ class Engine:
     def _back_off(self, idle_since: float, now: float, sleep, deadline: float | None,
                   opname, detail) -> float:
         """Spin, then yield the core (when cores are short), then ``sleep(deadline)``; a wait
-        long idle says what it waits for (``detail()``, ``gpucoll.waiting``)."""
+        long idle says what it waits for (``detail()``, ``gpucoll.progress``)."""
         if not idle_since:
             self._watch_load(now)
             self._notice.restart(now)

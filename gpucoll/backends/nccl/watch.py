@@ -24,8 +24,7 @@ from typing import Any
 from gpucoll import cuda
 from gpucoll.backends.nccl.driver import translate
 from gpucoll.errors import CollectiveTimeout, GpucollError, PeerFailure
-from gpucoll.progress import Progress, diagnose
-from gpucoll.waiting import Waiting
+from gpucoll.progress import Progress, Waiting, diagnose
 from gpucoll.work import Work, wait_event
 
 POLL_MAX = 0.05  # seconds between polls of a pending event, at most
@@ -201,7 +200,7 @@ class Watchdog:
 
     def _say_waiting(self, head: Pending, now: float) -> None:
         """Every GPUCOLL_WAIT_LOG seconds that ``head`` is unfinished, one line saying where
-        the ranks are (``gpucoll.waiting``)."""
+        the ranks are (``gpucoll.progress``)."""
         notice = self._notice
         if head is not self._noticed:
             self._noticed = head
