@@ -60,7 +60,7 @@ _EXPORTS = {
     "all_to_all_v": "gpucoll.default",
     "reduce_scatter_v": "gpucoll.default",
     "all_reduce_many": "gpucoll.default",
-    "Bucket": "gpucoll.fused",
+    "Bucket": "gpucoll.batch",
     "broadcast_object": "gpucoll.default",
     "all_gather_object": "gpucoll.default",
     "gather_object": "gpucoll.default",

@@ -41,8 +41,6 @@ LAYER_OF = {
     "gpucoll.uneven": "communicator",
     "gpucoll.objects": "communicator",
     "gpucoll.batch": "communicator",
-    "gpucoll.fused": "communicator",
-    "gpucoll.groups": "communicator",
     "gpucoll.distributed": "communicator",
     "gpucoll.backends": "backends",
     "gpucoll.transport": "transport",
