@@ -60,7 +60,7 @@ def default_ranks() -> int:
 
 def command(library: str, nranks: int, opts: BenchOptions, results: str) -> list[str]:
     """The command that starts ``nranks`` ranks of ``library``'s sweep."""
-    ranks = ["-m", "gpucoll.bench", *rank_argv(opts), "--library", library,
+    ranks = ["-m", "gpucoll", "bench", *rank_argv(opts), "--library", library,
              "--results", results]
     if library == "mpi":
         root = ["--allow-run-as-root"] if os.geteuid() == 0 else []
