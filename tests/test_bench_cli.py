@@ -17,8 +17,8 @@ import pytest
 from test_bench_report import parse_log
 
 from gpucoll.bench import cli, libraries
+from gpucoll.bench.cli import Console
 from gpucoll.bench.options import parse_args
-from gpucoll.bench.session import Console
 
 TINY = ["-b", "8", "-e", "4K", "-f", "8", "-n", "3", "-w", "1"]
 
