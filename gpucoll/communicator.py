@@ -66,7 +66,7 @@ from gpucoll.groups import GroupCalls
 from gpucoll.objects import ObjectCalls
 from gpucoll.progress import KIND
 from gpucoll.recorder import NO_CALL, Recorder, clock, size_from_env, stream_id
-from gpucoll.store.gather import Liveness, agree_survivors, leave_group, share, wait_for_ranks
+from gpucoll.store import Liveness, agree_survivors, leave_group, share, wait_for_ranks
 from gpucoll.uneven import UnevenCalls
 from gpucoll.validation import VALID_OPS, Call, SignatureCheck, check_timeout
 from gpucoll.validation import entry as _entry

@@ -10,7 +10,7 @@ from collections.abc import Sequence
 from typing import Any
 
 from gpucoll.errors import CollectiveMismatch, UsageError
-from gpucoll.store.gather import wait_for_ranks
+from gpucoll.store import wait_for_ranks
 from gpucoll.validation import Call, entry
 
 
