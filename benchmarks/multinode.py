@@ -120,7 +120,7 @@ def run_library(hosts: Hosts, library: str, per_node: int, args: list[str],
                 folder: str) -> list[Result]:
     """One job of ``library`` over both hosts; the rows its rank 0 measured."""
     results = os.path.join(folder, f"{library}-{uuid.uuid4().hex[:6]}.jsonl")
-    rank = ["-m", "gpucoll.bench", *args, "--library", library, "--results", results]
+    rank = ["-m", "gpucoll", "bench", *args, "--library", library, "--results", results]
     env = dict(os.environ, OMP_NUM_THREADS="1", GPUCOLL_STORE_TOKEN=uuid.uuid4().hex)
     if library == "mpi":
         agent = hosts.rsh_agent(folder)

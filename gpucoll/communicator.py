@@ -67,7 +67,7 @@ from gpucoll.errors import (
 )
 from gpucoll.objects import ObjectCalls
 from gpucoll.progress import KIND, NO_CALL, Recorder, clock, size_from_env, stream_id
-from gpucoll.store.gather import Liveness, agree_survivors, leave_group, share, wait_for_ranks
+from gpucoll.store import Liveness, agree_survivors, leave_group, share, wait_for_ranks
 from gpucoll.uneven import UnevenCalls
 from gpucoll.validation import VALID_OPS, Call, SignatureCheck, check_timeout
 from gpucoll.validation import entry as _entry

@@ -42,7 +42,7 @@ def create(backend: str = "auto", *, rank: int | None = None, world_size: int | 
            store: Any = None, timeout: float | None = None, device: Any = None) -> Communicator:
     """What ``init`` does, without making the result the default communicator."""
     from gpucoll.progress import interval
-    from gpucoll.store.gather import leave_group
+    from gpucoll.store import leave_group
 
     name = requested_name(backend)
     timeout = _timeout(timeout)

@@ -355,8 +355,7 @@ def join_group(store: Any, rank: int, size: int, *, job: str | None, timeout: fl
     meanwhile is a PeerFailure, one that never comes a CollectiveTimeout at ``timeout``. Jobs
     that use one store at the same time need job ids of their own (``job_id()``).
     """
-    from gpucoll.store import PrefixStore
-    from gpucoll.store.gather import Liveness, wait_for_ranks
+    from gpucoll.store import Liveness, PrefixStore, wait_for_ranks
 
     deadline = time.monotonic() + timeout
     root = "gpucoll/jobs/" + (job.replace("/", "_") if job else "anonymous")

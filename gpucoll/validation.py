@@ -31,7 +31,7 @@ from typing import Any
 from gpucoll.arrays import ArrayRef, as_ref, check_dtype, empty_ref
 from gpucoll.errors import CollectiveMismatch, GpucollError
 from gpucoll.ops import ReduceOp, check_op_dtype, parse_op
-from gpucoll.store.gather import Liveness, fetch, share
+from gpucoll.store import Liveness, fetch, share
 
 
 # -- the guard at a call's entry ---------------------------------------------------------------

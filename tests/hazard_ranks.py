@@ -16,8 +16,7 @@ from gpucoll.backends.nccl import NcclBackend
 from gpucoll.backends.nccl import backend as nccl_backend
 from gpucoll.default import create
 from gpucoll.errors import CollectiveTimeout, GpucollError, PeerFailure
-from gpucoll.store import PrefixStore, TCPStore, parse_address
-from gpucoll.store.gather import Liveness
+from gpucoll.store import Liveness, PrefixStore, TCPStore, parse_address
 
 
 def _store(addr: str) -> TCPStore:

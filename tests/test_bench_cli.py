@@ -17,8 +17,8 @@ import pytest
 from test_bench_report import parse_log
 
 from gpucoll.bench import cli, libraries
+from gpucoll.bench.cli import Console
 from gpucoll.bench.options import parse_args
-from gpucoll.bench.session import Console
 
 TINY = ["-b", "8", "-e", "4K", "-f", "8", "-n", "3", "-w", "1"]
 
@@ -78,7 +78,7 @@ def test_bench_starts_two_ranks_and_each_peer_and_writes_every_file(tmp_path):
 @pytest.mark.slow
 def test_inside_gpucoll_run_bench_uses_the_jobs_four_ranks():
     proc = subprocess.run([sys.executable, "-m", "gpucoll.run", "-n", "4", "--timeout", "120",
-                           "-m", "gpucoll.bench", "all_reduce", "broadcast", *TINY,
+                           "-m", "gpucoll", "bench", "all_reduce", "broadcast", *TINY,
                            "--no-ceilings"], capture_output=True, text=True, timeout=150,
                           stdin=subprocess.DEVNULL)
     assert proc.returncode == 0, proc.stdout + proc.stderr
@@ -161,7 +161,7 @@ def test_ctrl_c_while_following_stops_the_job(monkeypatch):
 def test_under_mpirun_bench_measures_gpucoll_and_mpi_in_the_same_ranks():
     root = ["--allow-run-as-root"] if os.geteuid() == 0 else []
     proc = subprocess.run(["mpirun", *root, "--oversubscribe", "-n", "2", sys.executable, "-m",
-                           "gpucoll.bench", "all_reduce", *TINY, "--peers", "--no-ceilings"],
+                           "gpucoll", "bench", "all_reduce", *TINY, "--peers", "--no-ceilings"],
                           capture_output=True, text=True, timeout=150, stdin=subprocess.DEVNULL)
     assert proc.returncode == 0, proc.stdout + proc.stderr
     tables = _tables(proc.stdout)
@@ -177,7 +177,7 @@ def test_under_gpucoll_run_rank_zero_draws_its_bar_on_the_launchers_terminal(tmp
     try:
         proc = subprocess.Popen(
             [sys.executable, "-m", "gpucoll.run", "-n", "2", "--timeout", "120", "-m",
-             "gpucoll.bench", *TINY, "--progress", "--no-ceilings"],
+             "gpucoll", "bench", *TINY, "--progress", "--no-ceilings"],
             stdout=subprocess.PIPE, stderr=slave, stdin=subprocess.DEVNULL, cwd=tmp_path,
             env=dict(os.environ, PYTHONUNBUFFERED="1"))
         os.close(slave)

@@ -235,9 +235,8 @@ ALL = ["all", "-b", "8", "-e", "64K", "-f", "64", "-n", "3", "-w", "1", "-d", "f
 
 def _sweep_rank(rank, n, addr, argv):
     import gpucoll
-    from gpucoll.bench.cli import sweep
+    from gpucoll.bench.cli import Console, sweep
     from gpucoll.bench.libraries import GpucollLibrary
-    from gpucoll.bench.session import Console
 
     opts = parse_args(argv)
     out = io.StringIO()

@@ -7,9 +7,9 @@ import os
 
 import pytest
 
-from gpucoll.bench import engine, session
+from gpucoll.bench import cli, engine
+from gpucoll.bench.cli import Progress
 from gpucoll.bench.report import plot
-from gpucoll.bench.session import Progress
 
 
 class Tty(io.StringIO):
@@ -28,7 +28,7 @@ class Clock:
 @pytest.fixture
 def clock(monkeypatch):
     fake = Clock()
-    monkeypatch.setattr(session.time, "monotonic", fake)
+    monkeypatch.setattr(cli.time, "monotonic", fake)
     return fake
 
 
@@ -54,7 +54,7 @@ def test_on_a_terminal_the_bar_appears_only_once_the_sweep_runs_a_few_seconds(cl
     bar = Progress(4, None, stream)
     bar.step("all_reduce 8 B")
     assert stream.getvalue() == ""  # a short sweep never shows a bar
-    clock.now += session.AUTO_DELAY
+    clock.now += cli.AUTO_DELAY
     bar.tick()
     assert "1/4 all_reduce 8 B" in stream.getvalue()
 
@@ -71,7 +71,7 @@ def test_tick_redraws_the_elapsed_time_between_table_lines(clock):
     stream = Tty()
     bar = Progress(2, True, stream)
     bar.step("all_reduce 1 GiB")
-    clock.now += session.REDRAW / 2
+    clock.now += cli.REDRAW / 2
     bar.tick()
     assert stream.getvalue().count("1/2") == 1  # not redrawn at once
     clock.now += 7
@@ -111,7 +111,7 @@ def test_the_bar_is_drawn_on_the_terminal_the_launcher_names(monkeypatch):
 
 def test_a_terminal_that_cannot_be_opened_falls_back_to_stderr(monkeypatch, tmp_path):
     monkeypatch.setenv("GPUCOLL_TTY", str(tmp_path / "no-such-tty"))
-    assert session.terminal() == (__import__("sys").stderr, False)
+    assert cli.terminal() == (__import__("sys").stderr, False)
 
 
 def test_host_ceilings_name_what_they_count():

@@ -14,9 +14,9 @@ import re
 import pytest
 
 from gpucoll.bench import report
+from gpucoll.bench.cli import Console, EventFile, replay
 from gpucoll.bench.engine import Measurement, Result
 from gpucoll.bench.options import parse_args
-from gpucoll.bench.session import Console, EventFile, replay
 
 NCCL_TESTS_LOG = """\
 # nThread 1 nGpus 2 minBytes 8 maxBytes 1024 step: 4(factor) warmup iters: 5 iters: 20 agg iters: 1 validation: 1 graph: 0

@@ -88,7 +88,7 @@ def test_the_survivors_form_a_group_renumbered_in_order(store_addr, transport):
 def _second_death(rank, n, addr, when):
     """Rank 3 dies; then rank 2 dies too: ``before`` the survivors agree (it never calls
     shrink), or ``after`` (it took part in their agreement, and dies before the group forms)."""
-    from gpucoll.store.gather import agree_survivors
+    from gpucoll.store import agree_survivors
 
     comm = _open(rank, n, addr)
     _lose(comm, 3, addr)

@@ -1,5 +1,6 @@
-"""gpucoll.store.gather: one key per rank, a wait that names the ranks that never came, and
-Liveness, which turns a rank that died or left into a PeerFailure naming it within a second."""
+"""Ranks meeting in the store (gpucoll.store's gather, share, wait_for_ranks): one key per rank,
+a wait that names the ranks that never came, and Liveness, which turns a rank that died or left
+into a PeerFailure naming it within a second."""
 
 from __future__ import annotations
 
@@ -11,7 +12,7 @@ import pytest
 
 from gpucoll import PrefixStore, TCPStore
 from gpucoll.errors import CollectiveTimeout, PeerFailure, StoreTimeout
-from gpucoll.store.gather import Liveness, gather, leave_group, share, wait_for_ranks
+from gpucoll.store import Liveness, gather, leave_group, share, wait_for_ranks
 from tests.multiproc import spawn
 
 

@@ -10,7 +10,7 @@ import pytest
 from test_topology_readers import FakeNvml, build_sysfs, recorded
 
 from gpucoll.topology import load, probe
-from gpucoll.topology.placement import (
+from gpucoll.topology.layout import (
     choose_gpus,
     format_cpulist,
     parse_cpulist,

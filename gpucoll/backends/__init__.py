@@ -22,7 +22,7 @@ from typing import Any
 
 from gpucoll import cuda
 from gpucoll.backends.base import Backend
-from gpucoll.store.gather import Liveness, fetch
+from gpucoll.store import Liveness, fetch
 
 NAMES = ("auto", "nccl", "ring")
 

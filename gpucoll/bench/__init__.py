@@ -2,7 +2,7 @@
 
 Modules: ``options`` (flags, and what each operation moves: algbw/busbw), ``engine`` (timed
 loops, the correctness pass, buffers and timers, ceilings), ``libraries`` (gpucoll, gloo and mpi
-behind one adapter), ``session`` (where events go: the console with its progress bar, or the
-driver's event file), ``report`` (tables, JSON, CSV, the plot), ``cli`` (``gpucoll bench``: the
-driver from a shell, a rank inside a job).
+behind one adapter), ``report`` (tables, JSON, CSV, the plot), ``cli`` (``gpucoll bench``: the
+driver from a shell, a rank inside a job, and where events go: the console with its progress
+bar, or the driver's event file).
 """

@@ -211,7 +211,7 @@ NUMA_ROOT = "/sys/devices/system/node"
 
 def numa_nodes(root: str = NUMA_ROOT) -> dict[int, set[int]]:
     """This machine's NUMA nodes and their CPUs (empty when sysfs does not say)."""
-    from gpucoll.topology.placement import parse_cpulist
+    from gpucoll.topology.layout import parse_cpulist
 
     nodes = {}
     try:
@@ -279,7 +279,7 @@ def _numa_spread(cfg: LaunchConfig, why: str, allowed: set[int],
 
 def _gpu_bindings(cfg: LaunchConfig, layout, gpus: list[str], environ: dict[str, str],
                   allowed: set[int], nodes: dict[int, set[int]]) -> list[Binding]:
-    from gpucoll.topology.placement import place, visible_indices
+    from gpucoll.topology.layout import place, visible_indices
 
     shown = gpus or [str(g.index) for g in layout.gpus]  # a saved topology of another machine
     indices = visible_indices(layout, shown)
@@ -312,7 +312,7 @@ def _gpu_bindings(cfg: LaunchConfig, layout, gpus: list[str], environ: dict[str,
 
 def _wanted_cpus(cpulist: str | None, numa: str | None, nodes: dict[int, set[int]]) -> set[int]:
     """The GPU's CPUs: its affinity as the topology gives it, else its NUMA node's CPUs here."""
-    from gpucoll.topology.placement import parse_cpulist
+    from gpucoll.topology.layout import parse_cpulist
 
     if cpulist:
         return parse_cpulist(cpulist)
@@ -320,6 +320,6 @@ def _wanted_cpus(cpulist: str | None, numa: str | None, nodes: dict[int, set[int
 
 
 def format_cpus(cpus: set[int]) -> str:
-    from gpucoll.topology.placement import format_cpulist
+    from gpucoll.topology.layout import format_cpulist
 
     return format_cpulist(cpus) or "none"

@@ -2,9 +2,9 @@
 
 Modules: ``smi`` (saved ``nvidia-smi topo -m`` outputs, however pasted), ``probe`` (this
 machine: NVML and sysfs), ``layout`` (the raw facts as each source gives them, and what they all
-mean: labels, bandwidth classes, nearest NICs, the ring order, warnings), ``placement`` (where
-each rank of a job should run), ``render`` (text, JSON, Graphviz, PNG, and ``gpucoll topo``
-that prints them). This package knows nothing of collectives: the communicator only asks it for
+mean: labels, bandwidth classes, nearest NICs, the ring order, warnings, and where each rank of
+a job should run), ``render`` (text, JSON, Graphviz, PNG, and ``gpucoll topo`` that prints
+them). This package knows nothing of collectives: the communicator only asks it for
 a ring order, and the launcher where its ranks go.
 """
 

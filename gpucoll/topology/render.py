@@ -46,6 +46,7 @@ from gpucoll.topology.layout import (
     Device,
     Layout,
     pcie_level,
+    suggest,
 )
 
 # ---- text ----------------------------------------------------------------------------------------
@@ -142,8 +143,6 @@ def _gpu_line(layout: Layout, gpu: Device) -> str:
 def render_suggestion(layout: Layout, nranks: int, as_json: bool = False) -> str:
     """``gpucoll topo --suggest N``: the GPU order, CPUs and NICs for N ranks, and the command
     that applies them."""
-    from gpucoll.topology.placement import suggest
-
     places, notes = suggest(layout, nranks)
     order = ",".join(str(p.gpu) for p in places[: len(layout.gpus)] if p.gpu is not None)
     if as_json:

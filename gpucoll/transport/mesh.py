@@ -33,7 +33,7 @@ from collections.abc import Callable
 import numpy as np
 
 from gpucoll.errors import BackendUnavailable, CollectiveTimeout, PeerFailure
-from gpucoll.store.gather import POLL, Liveness, gather
+from gpucoll.store import POLL, Liveness, gather
 from gpucoll.transport import shm
 
 TRANSPORTS = ("auto", "shm", "tcp")

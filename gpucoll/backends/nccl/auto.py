@@ -17,7 +17,7 @@ from typing import Any
 
 from gpucoll import cuda
 from gpucoll.backends.nccl.backend import pick_device
-from gpucoll.store.gather import Liveness, gather
+from gpucoll.store import Liveness, gather
 
 KEY = "auto/{}"
 MULTI_RANK_GPU_VERSION = (2, 30)

@@ -57,7 +57,7 @@ from gpucoll.backends.nccl.watch import EventWork, Pending, Positions, Watchdog
 from gpucoll.errors import BackendUnavailable, CollectiveTimeout, GpucollError, UsageError
 from gpucoll.ops import ReduceOp
 from gpucoll.rendezvous import local_rank
-from gpucoll.store.gather import Liveness, fetch, share, wait_for_ranks
+from gpucoll.store import Liveness, fetch, share, wait_for_ranks
 
 _INT32 = np.dtype(np.int32)
 # a member's vote on ncclCommShrink: "0" its communicator cannot, "1" it can (healthy), "2" it
