@@ -135,7 +135,7 @@ def run_library(hosts: Hosts, library: str, per_node: int, args: list[str],
         port = free_port()
         jobs = []
         for node in range(2):
-            launch = [sys.executable, "-m", "gpucoll.run", "-n", str(per_node), "--nnodes",
+            launch = [sys.executable, "-m", "gpucoll", "run", "-n", str(per_node), "--nnodes",
                       "2", "--node-rank", str(node), "--master-addr", hosts.addr[0],
                       "--master-port", str(port), *rank]
             node_env = dict(env, GLOO_SOCKET_IFNAME=hosts.dev[node])

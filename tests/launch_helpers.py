@@ -1,4 +1,4 @@
-"""Running ``python -m gpucoll.run`` as a subprocess in tests, with deadlines and cleanup."""
+"""Running ``python -m gpucoll run`` as a subprocess in tests, with deadlines and cleanup."""
 
 from __future__ import annotations
 
@@ -39,7 +39,7 @@ class Launcher:
 
     def __init__(self, args: list[str], cwd, env: dict[str, str] | None = None):
         self.proc = subprocess.Popen(
-            [sys.executable, "-m", "gpucoll.run", *args], cwd=str(cwd),
+            [sys.executable, "-m", "gpucoll", "run", *args], cwd=str(cwd),
             # the launcher's own files (flight-recorder dumps) go under the test's directory
             env={**os.environ, "TMPDIR": str(cwd), **(env or {})}, stdout=subprocess.PIPE,
             stderr=subprocess.PIPE,

@@ -77,7 +77,7 @@ def test_bench_starts_two_ranks_and_each_peer_and_writes_every_file(tmp_path):
 
 @pytest.mark.slow
 def test_inside_gpucoll_run_bench_uses_the_jobs_four_ranks():
-    proc = subprocess.run([sys.executable, "-m", "gpucoll.run", "-n", "4", "--timeout", "120",
+    proc = subprocess.run([sys.executable, "-m", "gpucoll", "run", "-n", "4", "--timeout", "120",
                            "-m", "gpucoll", "bench", "all_reduce", "broadcast", *TINY,
                            "--no-ceilings"], capture_output=True, text=True, timeout=150,
                           stdin=subprocess.DEVNULL)
@@ -131,7 +131,7 @@ def test_mpi_ranks_are_started_by_mpirun_and_the_others_by_the_launcher():
     assert mpi[0] == "mpirun" and "--oversubscribe" in mpi and mpi[mpi.index("-n") + 1] == "3"
     assert ("--allow-run-as-root" in mpi) == (os.geteuid() == 0)
     ours = cli.command("gloo", 3, opts, "/tmp/ev")
-    assert ours[1:5] == ["-m", "gpucoll.run", "-n", "3"]
+    assert ours[1:6] == ["-m", "gpucoll", "run", "-n", "3"]
     assert ours[-4:] == ["--library", "gloo", "--results", "/tmp/ev"]
 
 
@@ -176,7 +176,7 @@ def test_under_gpucoll_run_rank_zero_draws_its_bar_on_the_launchers_terminal(tmp
     master, slave = os.openpty()
     try:
         proc = subprocess.Popen(
-            [sys.executable, "-m", "gpucoll.run", "-n", "2", "--timeout", "120", "-m",
+            [sys.executable, "-m", "gpucoll", "run", "-n", "2", "--timeout", "120", "-m",
              "gpucoll", "bench", *TINY, "--progress", "--no-ceilings"],
             stdout=subprocess.PIPE, stderr=slave, stdin=subprocess.DEVNULL, cwd=tmp_path,
             env=dict(os.environ, PYTHONUNBUFFERED="1"))

@@ -190,10 +190,10 @@ def script_of(block: Block, cwd: Path) -> str:
         return f"python -m py_compile {shlex.quote(block.marks['file'])}\n"
     if "comm" in block.marks:
         (cwd / "_block.py").write_text(comm_script(block))
-        return f"python -m gpucoll.run -n {int(block.marks['comm'])} _block.py\n"
+        return f"python -m gpucoll run -n {int(block.marks['comm'])} _block.py\n"
     (cwd / "_block.py").write_text(block.code)
     if "ranks" in block.marks:
-        return f"python -m gpucoll.run -n {int(block.marks['ranks'])} _block.py\n"
+        return f"python -m gpucoll run -n {int(block.marks['ranks'])} _block.py\n"
     return "python _block.py\n"
 
 

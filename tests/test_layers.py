@@ -32,7 +32,6 @@ LAYER_OF = {
     "gpucoll.bench": "cli",
     "gpucoll.doctor": "cli",
     "gpucoll.launch": "launch",
-    "gpucoll.run": "launch",
     "gpucoll": "communicator",  # the package root re-exports the public API
     "gpucoll.communicator": "communicator",
     "gpucoll.default": "communicator",

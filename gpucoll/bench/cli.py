@@ -73,7 +73,7 @@ def command(library: str, nranks: int, opts: BenchOptions, results: str) -> list
     if library == "mpi":
         root = ["--allow-run-as-root"] if os.geteuid() == 0 else []
         return ["mpirun", *root, "--oversubscribe", "-n", str(nranks), sys.executable, *ranks]
-    return [sys.executable, "-m", "gpucoll.run", "-n", str(nranks), *ranks]
+    return [sys.executable, "-m", "gpucoll", "run", "-n", str(nranks), *ranks]
 
 
 def job_env(opts: BenchOptions) -> dict[str, str]:

@@ -1,6 +1,6 @@
 """``gpucoll run``: start N ranks of a Python script or module on this node, like torchrun.
 
-Usage: ``gpucoll run -n 4 train.py --lr 0.1`` (also ``python -m gpucoll.run``). Everything after
+Usage: ``gpucoll run -n 4 train.py --lr 0.1`` (also ``python -m gpucoll run``). Everything after
 the script (or ``-m module``) is passed to it unchanged.
 
 The job's key-value store is hosted by node 0's launcher, not rank 0, so it is up before any
