@@ -50,7 +50,7 @@ from gpucoll.arrays import (
     new_array,
     write_back,
 )
-from gpucoll.backends.base import Backend
+from gpucoll.backends import Backend
 from gpucoll.batch import PointToPointCalls
 from gpucoll.dumps import Flight
 from gpucoll.errors import (

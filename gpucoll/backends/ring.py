@@ -29,8 +29,8 @@ from typing import TYPE_CHECKING, Any
 
 import numpy as np
 
+from gpucoll.backends import Backend
 from gpucoll.backends import ring_algos as algos
-from gpucoll.backends.base import Backend
 from gpucoll.backends.ring_algos import GroupedRing
 from gpucoll.errors import CollectiveMismatch, CollectiveTimeout, GpucollError, PeerFailure
 from gpucoll.ops import ReduceOp, finish_avg, fp_quiet, fp_restore, host_ufunc

@@ -44,7 +44,7 @@ from typing import Any
 import numpy as np
 
 from gpucoll import cuda
-from gpucoll.backends.base import Backend
+from gpucoll.backends import Backend
 from gpucoll.backends.nccl.driver import (
     IN_PROGRESS,
     SUCCESS,
