@@ -13,7 +13,7 @@ import sys
 from collections.abc import Callable
 from typing import Any
 
-from gpucoll.backends.nccl.auto import library_version, local_verdict
+from gpucoll.backends.nccl.backend import library_version, local_verdict
 
 
 def _cuda_version(code: int) -> str:

@@ -73,7 +73,7 @@ def run(*, quick: bool = False, nccl_tests: str | None = None, timeout: float = 
         setup: Callable | None = None) -> Report:
     """Every check this machine allows. ``setup(store_address)`` (tests only) prepares each
     rank process and returns its device-array maker; None: CuPy on the real devices."""
-    from gpucoll.backends.nccl.auto import library_version, several_ranks_per_gpu
+    from gpucoll.backends.nccl.backend import library_version, several_ranks_per_gpu
     from gpucoll.info import collect
 
     rt = cuda.runtime()

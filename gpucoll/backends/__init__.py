@@ -298,7 +298,7 @@ def choose_backend(requested: str, store: Any, rank: int, size: int,
     """
     if requested != "auto":
         return requested, f"backend={requested!r} was requested"
-    from gpucoll.backends.nccl.auto import agree
+    from gpucoll.backends.nccl.backend import agree
 
     return agree(store, rank, size, float(getattr(store, "timeout", 300.0)), device)
 
