@@ -54,7 +54,7 @@ from gpucoll.arrays import (
     new_array,
     write_back,
 )
-from gpucoll.backends.base import Backend
+from gpucoll.backends import Backend
 from gpucoll.batch import FusedCalls, PointToPointCalls
 from gpucoll.dumps import Flight
 from gpucoll.errors import (

@@ -56,7 +56,7 @@ import numpy as np
 
 from gpucoll import cuda
 from gpucoll.arrays import SUPPORTED_DTYPES, dtype_from_name
-from gpucoll.backends.nccl.auto import library_version, local_verdict, several_ranks_per_gpu
+from gpucoll.backends.nccl.backend import library_version, local_verdict, several_ranks_per_gpu
 from gpucoll.default import create
 from gpucoll.errors import CollectiveTimeout, GpucollError, PeerFailure
 from gpucoll.ops import ReduceOp, check_op_dtype

@@ -6,7 +6,7 @@ It lets one process play any rank of any world size, so argument checks that dep
 
 from __future__ import annotations
 
-from gpucoll.backends.base import Backend
+from gpucoll.backends import Backend
 from gpucoll.communicator import Communicator
 from gpucoll.work import CompletedWork
 

@@ -6,7 +6,7 @@ import logging
 
 import pytest
 
-from gpucoll.backends.nccl import auto as nccl_auto
+from gpucoll.backends.nccl import backend as nccl_backend
 from gpucoll.default import create
 
 
@@ -22,7 +22,7 @@ def test_a_backend_requested_by_name_says_so(no_backend_override):
 
 
 def test_auto_reports_the_reason_the_ranks_agreed_on(no_backend_override, monkeypatch):
-    monkeypatch.setattr(nccl_auto, "local_verdict",
+    monkeypatch.setattr(nccl_backend, "local_verdict",
                         lambda **kw: {"ok": False, "why": "no GPU (test)"})
     with create("auto", rank=0, world_size=1) as comm:
         assert comm.backend == "ring"

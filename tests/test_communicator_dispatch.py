@@ -1,4 +1,4 @@
-"""What the communicator hands its backend: flat buffers laid out as backends/base.py says,
+"""What the communicator hands its backend: flat buffers laid out as gpucoll.backends says,
 the per-call timeout and stream, and Work handles bound to the call's result."""
 
 import numpy as np

@@ -265,9 +265,9 @@ def test_the_device_a_rank_picks_is_the_local_rank_it_reports(rt, monkeypatch, l
 def _released_when_waited_on(monkeypatch, works_and_stalls):
     """Let each stalled call's stream go only once the host waits for that call's event (as
     split's drain must): a split that does not wait meets the call still outstanding."""
-    from gpucoll.backends.nccl import watch
+    from gpucoll.backends.nccl import backend as nccl_backend
 
-    wait = watch.wait_event
+    wait = nccl_backend.wait_event
 
     def waiting(event, *args, **kwargs):
         for work, release in works_and_stalls:
@@ -275,7 +275,7 @@ def _released_when_waited_on(monkeypatch, works_and_stalls):
                 release()
         return wait(event, *args, **kwargs)
 
-    monkeypatch.setattr(watch, "wait_event", waiting)
+    monkeypatch.setattr(nccl_backend, "wait_event", waiting)
 
 
 def test_split_waits_for_this_ranks_outstanding_work_before_nccl_splits(rt, solo, monkeypatch):

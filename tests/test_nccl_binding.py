@@ -17,7 +17,7 @@ from gpucoll import cuda
 from gpucoll.arrays import SUPPORTED_DTYPES, dtype_from_name
 from gpucoll.backends.nccl import backend as nccl_backend
 from gpucoll.backends.nccl import driver
-from gpucoll.backends.nccl.auto import library_version
+from gpucoll.backends.nccl.backend import library_version
 from gpucoll.errors import CollectiveTimeout, NcclFailure, PeerFailure
 from gpucoll.ops import ReduceOp
 

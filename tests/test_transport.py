@@ -14,7 +14,7 @@ from gpucoll.errors import CollectiveMismatch, CollectiveTimeout, PeerFailure
 from gpucoll.progress import Progress
 from gpucoll.transport import mesh, shm
 from gpucoll.transport.engine import Engine, Recv, RecvReduce, Send, State
-from gpucoll.transport.monitor import Monitor, encode_abort, encode_close
+from gpucoll.transport.mesh import Monitor, encode_abort, encode_close
 
 H = b"h" * 32  # a frame header: the engine only compares it with the expected one
 

@@ -163,7 +163,7 @@ class _Event:
 def test_an_unfinished_nccl_call_says_where_the_ranks_are(monkeypatch):
     import threading
 
-    from gpucoll.backends.nccl.watch import Pending, Watchdog
+    from gpucoll.backends.nccl.backend import Pending, Watchdog
 
     monkeypatch.setenv("GPUCOLL_WAIT_LOG", "0.2")
     seen = threading.Event()

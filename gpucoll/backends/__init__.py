@@ -1,4 +1,5 @@
-"""Backends by name, what ``backend="auto"`` picks, and the host ring's rank order.
+"""Backends by name, what ``backend="auto"`` picks, the host ring's rank order, and what a
+communicator asks of a backend (``Backend``).
 
 ``create_backend(requested, store, rank, size, ...)`` resolves the name ("auto" through
 ``choose_backend``; GPUCOLL_BACKEND stands in for "auto" when set) and builds that backend; the
@@ -10,19 +11,232 @@ own, rank 0 asks ``gpucoll.topology`` for the GPU ring that keeps neighbours on 
 and publishes it as a rank order; everyone else reads it. Otherwise, or when the topology cannot
 be read, the ring keeps rank order. Choosing never fails a communicator: only a lost rank 0 is
 an error.
+
+What a communicator asks of a backend (``Backend``): the communicator validates every argument
+once, then hands a backend flat, contiguous buffers (``ArrayRef``) of one supported dtype, roots
+in range and sizes that agree, so a backend only moves and combines bytes. Backends never import
+the communicator.
+
+Buffer layout, ``n`` = elements of one slot:
+  all_reduce/broadcast/reduce   x: n elements, in place (reduce: result meaningful on root)
+  all_gather                    x: n, out: size*n (slot i = rank i's x)
+  gather                        x: n, out: size*n on root, None elsewhere
+  scatter                       x: size*n on root, None elsewhere; out: n
+  reduce_scatter                x: size*n, out: n (slot `rank` reduced over ranks)
+  all_to_all                    x: size*n, out: size*n (out slot j = rank j's x slot `rank`)
+  send/recv                     x: n
+
+Out of place (``x`` is left as it is; the ring copies it into ``out`` first, NCCL reads ``x``):
+  all_reduce_out                x: n, out: n
+  reduce_out                    x: n, out: n on root (None elsewhere)
+  broadcast_out                 x: n on root (None elsewhere), out: n
+
+Uneven sizes (``counts[r]``: rank r's elements; ``layout``: a digest of the counts and trailing
+shape that every rank must agree on, which the ring stamps on its messages):
+  exchange                      sends, recvs: [(peer, ref)]; one grouped round of messages that
+                                progress together; between two ranks they pair in order; a
+                                send to this rank pairs with a receive from it (a copy)
+  all_gather_v                  x: counts[rank], out: sum(counts), slot r at sum(counts[:r])
+  reduce_scatter_v              x: sum(counts) (slots as all_gather_v's out), out: counts[rank]
+
+Many arrays, and point to point in one go:
+  all_reduce_coalesced          xs: arrays, each reduced in place, fused where the backend can
+  batch_p2p                     ops: [(is_send, ref, peer)] -> one Work per op, all posted together
 """
 
 from __future__ import annotations
 
+import abc
 import json
 import logging
 import os
-from collections.abc import Callable
-from typing import Any
+from collections.abc import Callable, Sequence
+from typing import TYPE_CHECKING, Any, ClassVar
 
 from gpucoll import cuda
-from gpucoll.backends.base import Backend
+from gpucoll.errors import BackendUnavailable, GpucollError
+from gpucoll.progress import Progress
 from gpucoll.store import Liveness, fetch
+
+if TYPE_CHECKING:
+    from gpucoll.arrays import ArrayRef
+    from gpucoll.ops import ReduceOp
+    from gpucoll.work import Work
+
+
+# ---- what a communicator asks of a backend -------------------------------------------------------
+
+class Backend(abc.ABC):
+    """A communicator's engine for one group of ranks; constructing one is collective."""
+
+    name: ClassVar[str]
+    # True when collectives accept host (NumPy) arrays, so that the communicator can agree on
+    # small values (scatter's slot layout, split's colours) in-band rather than in the store
+    host_control: ClassVar[bool] = False
+
+    rank: int
+    size: int
+    # the backend that serves flat NumPy arrays through ``host_all_reduce(x, op, seq, timeout)``
+    # and ``host_broadcast(x, root, seq, timeout)``, the communicator's lean path for the common
+    # calls (None: every call takes the general path)
+    lean: Backend | None = None
+
+    @property
+    def progress(self) -> Progress:
+        """This rank's progress record: the communicator marks each call in it; a backend
+        may share it with its peers (the ring does) and stamps its messages with it."""
+        record = self.__dict__.get("_progress_record")
+        if record is None:
+            record = self.__dict__["_progress_record"] = Progress()
+        return record
+
+    @abc.abstractmethod
+    def all_reduce(self, x: ArrayRef, op: ReduceOp, *, timeout: float, stream: Any = None) -> None:
+        ...
+
+    @abc.abstractmethod
+    def broadcast(self, x: ArrayRef, root: int, *, timeout: float, stream: Any = None) -> None:
+        ...
+
+    @abc.abstractmethod
+    def reduce(
+        self, x: ArrayRef, root: int, op: ReduceOp, *, timeout: float, stream: Any = None
+    ) -> None:
+        ...
+
+    @abc.abstractmethod
+    def all_gather(self, x: ArrayRef, out: ArrayRef, *, timeout: float, stream: Any = None) -> None:
+        ...
+
+    @abc.abstractmethod
+    def gather(
+        self, x: ArrayRef, out: ArrayRef | None, root: int, *, timeout: float, stream: Any = None
+    ) -> None:
+        ...
+
+    @abc.abstractmethod
+    def scatter(
+        self, x: ArrayRef | None, out: ArrayRef, root: int, *, timeout: float, stream: Any = None
+    ) -> None:
+        ...
+
+    @abc.abstractmethod
+    def reduce_scatter(
+        self, x: ArrayRef, out: ArrayRef, op: ReduceOp, *, timeout: float, stream: Any = None
+    ) -> None:
+        ...
+
+    @abc.abstractmethod
+    def all_to_all(self, x: ArrayRef, out: ArrayRef, *, timeout: float, stream: Any = None) -> None:
+        ...
+
+    @abc.abstractmethod
+    def send(self, x: ArrayRef, dst: int, *, timeout: float, stream: Any = None) -> None:
+        ...
+
+    @abc.abstractmethod
+    def recv(self, x: ArrayRef, src: int, *, timeout: float, stream: Any = None) -> None:
+        ...
+
+    @abc.abstractmethod
+    def barrier(self, *, timeout: float) -> None:
+        ...
+
+    # -- out of place, uneven sizes, many arrays (see the module docstring for the layouts) --
+
+    @abc.abstractmethod
+    def all_reduce_out(self, x: ArrayRef, out: ArrayRef, op: ReduceOp, *, timeout: float,
+                       stream: Any = None) -> None:
+        ...
+
+    @abc.abstractmethod
+    def reduce_out(self, x: ArrayRef, out: ArrayRef | None, root: int, op: ReduceOp, *,
+                   timeout: float, stream: Any = None) -> None:
+        ...
+
+    @abc.abstractmethod
+    def broadcast_out(self, x: ArrayRef | None, out: ArrayRef, root: int, *, timeout: float,
+                      stream: Any = None) -> None:
+        ...
+
+    @abc.abstractmethod
+    def exchange(self, sends: Sequence[tuple[int, ArrayRef]],
+                 recvs: Sequence[tuple[int, ArrayRef]], layout: int, *, timeout: float,
+                 stream: Any = None) -> None:
+        ...
+
+    @abc.abstractmethod
+    def all_gather_v(self, x: ArrayRef, out: ArrayRef, counts: Sequence[int], layout: int, *,
+                     timeout: float, stream: Any = None) -> None:
+        ...
+
+    @abc.abstractmethod
+    def reduce_scatter_v(self, x: ArrayRef, out: ArrayRef, counts: Sequence[int], op: ReduceOp,
+                         layout: int, *, timeout: float, stream: Any = None) -> None:
+        ...
+
+    def all_reduce_coalesced(self, xs: Sequence[ArrayRef], op: ReduceOp, *, timeout: float,
+                             stream: Any = None) -> None:
+        """Reduce every array of ``xs`` in place; by default one all_reduce each, in order
+        (backends that can fuse them override this)."""
+        for x in xs:
+            self.all_reduce(x, op, timeout=timeout, stream=stream)
+
+    def batch_p2p(self, ops: Sequence[tuple[bool, ArrayRef, int]], *, timeout: float,
+                  stream: Any = None) -> list[Work]:
+        """Post sends (``is_send``) and receives together and return a Work for each, in order;
+        by default each through ``isend``/``irecv`` (which must then progress side by side)."""
+        return [self.isend(x, peer, timeout=timeout, stream=stream) if sending else
+                self.irecv(x, peer, timeout=timeout, stream=stream)
+                for sending, x, peer in ops]
+
+    def isend(self, x: ArrayRef, dst: int, *, timeout: float, stream: Any = None) -> Work:
+        """Start a send; by default one more call in issue order (backends that can let sends
+        and receives progress side by side override this)."""
+        return self.run_async(lambda: self.send(x, dst, timeout=timeout, stream=stream),
+                              stream=stream)
+
+    def irecv(self, x: ArrayRef, src: int, *, timeout: float, stream: Any = None) -> Work:
+        """Start a receive into ``x``; see ``isend``."""
+        return self.run_async(lambda: self.recv(x, src, timeout=timeout, stream=stream),
+                              stream=stream)
+
+    @abc.abstractmethod
+    def run_async(self, call: Callable[[], None], *, stream: Any = None) -> Work:
+        """Start ``call`` (one of the methods above, bound) and return its Work handle.
+
+        Work on one backend completes in issue order.
+        """
+
+    @abc.abstractmethod
+    def run_sync(self, call: Callable[[], None]) -> None:
+        """Run ``call`` after every earlier ``run_async`` call of this backend."""
+
+    @abc.abstractmethod
+    def split(self, store: Any, rank: int | None, size: int, color: int | None, key: int,
+              *, timeout: float) -> Backend | None:
+        """Collective over this backend's ranks: the backend of the new group, or None for a
+        rank whose ``color`` is None. ``store`` is the new group's namespace."""
+
+    def shrink(self, store: Any, members: list[int], *, timeout: float,
+               liveness: Any = None) -> Backend:
+        """Collective over ``members`` (this group's ranks that survive, ascending; this rank
+        among them): the backend of a new group of them, rank i being ``members[i]``. Runs
+        after a failure, so this backend may be aborted; ``store`` is the new group's
+        namespace and ``liveness`` names a member that dies meanwhile."""
+        raise BackendUnavailable(f"the {self.name} backend cannot shrink a group")
+
+    @abc.abstractmethod
+    def abort(self, reason: str | GpucollError) -> None:
+        """Fail every pending and future call fast with ``reason`` (a message, or the error that
+        ended the group: later calls say they are unusable after it); safe from any thread."""
+
+    @abc.abstractmethod
+    def close(self) -> None:
+        """Release every socket, segment and thread; idempotent; returns even after abort."""
+
+
+# ---- backends by name, and what backend="auto" picks ---------------------------------------------
 
 NAMES = ("auto", "nccl", "ring")
 
@@ -84,7 +298,7 @@ def choose_backend(requested: str, store: Any, rank: int, size: int,
     """
     if requested != "auto":
         return requested, f"backend={requested!r} was requested"
-    from gpucoll.backends.nccl.auto import agree
+    from gpucoll.backends.nccl.backend import agree
 
     return agree(store, rank, size, float(getattr(store, "timeout", 300.0)), device)
 

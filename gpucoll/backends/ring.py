@@ -29,15 +29,14 @@ from typing import TYPE_CHECKING, Any
 
 import numpy as np
 
+from gpucoll.backends import Backend
 from gpucoll.backends import ring_algos as algos
-from gpucoll.backends.base import Backend
 from gpucoll.backends.ring_algos import GroupedRing
 from gpucoll.errors import CollectiveMismatch, CollectiveTimeout, GpucollError, PeerFailure
 from gpucoll.ops import ReduceOp, finish_avg, fp_quiet, fp_restore, host_ufunc
 from gpucoll.progress import IN_CALL, KIND, SLOTS, Progress, diagnose, kind_name
 from gpucoll.transport.engine import CORES, Engine, Recv, Send, State
-from gpucoll.transport.mesh import Mesh
-from gpucoll.transport.monitor import Monitor, encode_abort, encode_close
+from gpucoll.transport.mesh import Mesh, Monitor, encode_abort, encode_close
 from gpucoll.transport.shm import WHOLE
 from gpucoll.work import FutureWork
 

@@ -25,7 +25,7 @@ import numpy as np
 
 from gpucoll import cuda
 from gpucoll.arrays import ArrayRef, as_ref
-from gpucoll.backends.base import Backend
+from gpucoll.backends import Backend
 from gpucoll.errors import CollectiveTimeout, GpucollError, UsageError
 from gpucoll.ops import ReduceOp
 from gpucoll.work import CompletedWork, DeviceTail, wait_event

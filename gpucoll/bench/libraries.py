@@ -26,7 +26,7 @@ import sys
 from collections.abc import Callable
 from typing import Any
 
-from gpucoll.backends.nccl import auto as nccl_auto
+from gpucoll.backends.nccl import backend as nccl_backend
 from gpucoll.selftest import devices
 
 
@@ -132,7 +132,7 @@ def nccl_version() -> str:
     try:
         from gpucoll import cuda
 
-        return nccl_auto.library_version(cuda.runtime().nccl())
+        return nccl_backend.library_version(cuda.runtime().nccl())
     except Exception:
         return ""
 

@@ -2,11 +2,10 @@
 
 - ``backend``: ``NcclBackend``, the collectives on device arrays (out-of-place, uneven, coalesced
   and batched calls included), and its start-up through the store: device choice, arrival, the
-  unique id;
+  unique id; the watchdog thread and the event-backed ``Work``; and whether ``backend="auto"``
+  picks NCCL, and why (``agree``);
 - ``driver``: one non-blocking NCCL communicator, polled so that no call blocks past its
-  deadline, aborted once on a failure; NCCL's datatype and op codes for gpucoll's dtypes and ops;
-- ``watch``: the watchdog thread and the event-backed ``Work``;
-- ``auto``: whether ``backend="auto"`` picks NCCL, and why.
+  deadline, aborted once on a failure; NCCL's datatype and op codes for gpucoll's dtypes and ops.
 
 Nothing here imports CuPy or nccl4py at import time.
 """

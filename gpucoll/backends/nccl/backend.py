@@ -13,9 +13,18 @@ Every call
 2. orders its stream (``stream=``, default: the current stream) after the producers of its
    data: the caller's current stream, and the stream a CUDA-array-interface v3 object names;
 3. enqueues NCCL's work through ``driver`` (no call blocks past its deadline) and records an
-   event after it. The watchdog (``watch``) polls that event against the call's deadline, and
-   every buffer NCCL touches (inputs, outputs, temporaries) stays referenced until it completes,
-   so that no memory pool hands that memory out while NCCL still reads or writes it.
+   event after it. The watchdog (``Watchdog``, below) polls that event against the call's
+   deadline, and every buffer NCCL touches (inputs, outputs, temporaries) stays referenced until
+   it completes, so that no memory pool hands that memory out while NCCL still reads or writes
+   it.
+
+NCCL calls return once enqueued, so a collective whose peer never shows up hangs the stream, not
+the caller: when the oldest event is not done by its call's deadline, NCCL reports an
+asynchronous error, or a peer is found dead in the store, the watchdog thread fails the backend
+(which aborts the NCCL communicator between calls, freeing the stream) with an error naming the
+op and rank, and ``EventWork`` is the ``Work`` that waits on those events. The thread also keeps
+this rank's position in the sequence of calls in the store (``progress/{rank}``, at most every
+half second), so that a rank whose call times out can say which rank is behind and where.
 
 Results are stream-ordered: later work on the stream sees them. gather, scatter and all-to-all
 are grouped send/recv; reductions NCCL lacks run as an all-gather plus a local reduction on the
@@ -31,12 +40,26 @@ rank's size, then compacted, from 8 MiB on (1.9x the sends and receives at 128 M
 form is skipped when padding would move much more than the data (very uneven sizes). None of the
 three has been timed on a GPU here. The uneven reduce-scatter is a group of reduces, one per
 rank, each to the rank that owns the slot.
+
+``backend="auto"`` (``agree``) picks NCCL where it works for every rank, else the host ring: each
+rank judges itself (CuPy, a CUDA device, nccl4py and its library, which GPU it would drive) and
+publishes its verdict in the group's store, and all ranks apply the same rule to the same
+verdicts, so they agree without a leader. NCCL refuses several ranks of one communicator on one
+GPU unless NCCL >= 2.30 is asked to allow it with NCCL_MULTI_RANK_GPU_ENABLE=1 (and NVLS is not
+forced on), so ranks that would share a GPU get the ring otherwise; the reason names the first
+rank (or GPU) that rules NCCL out.
 """
 
 from __future__ import annotations
 
+import collections
 import copy
+import dataclasses
 import importlib
+import json
+import os
+import socket
+import threading
 import time
 from collections.abc import Callable, Sequence
 from typing import Any
@@ -44,20 +67,28 @@ from typing import Any
 import numpy as np
 
 from gpucoll import cuda
-from gpucoll.backends.base import Backend
+from gpucoll.backends import Backend
 from gpucoll.backends.nccl.driver import (
     IN_PROGRESS,
     SUCCESS,
     Driver,
     failure,
     reduce_plan,
+    translate,
     wire,
 )
-from gpucoll.backends.nccl.watch import EventWork, Pending, Positions, Watchdog
-from gpucoll.errors import BackendUnavailable, CollectiveTimeout, GpucollError, UsageError
+from gpucoll.errors import (
+    BackendUnavailable,
+    CollectiveTimeout,
+    GpucollError,
+    PeerFailure,
+    UsageError,
+)
 from gpucoll.ops import ReduceOp
+from gpucoll.progress import Progress, Waiting, diagnose
 from gpucoll.rendezvous import local_rank
-from gpucoll.store import Liveness, fetch, share, wait_for_ranks
+from gpucoll.store import Liveness, fetch, gather, share, wait_for_ranks
+from gpucoll.work import Work, wait_event
 
 _INT32 = np.dtype(np.int32)
 # a member's vote on ncclCommShrink: "0" its communicator cannot, "1" it can (healthy), "2" it
@@ -791,3 +822,315 @@ class NcclBackend(Backend):
 
 def _left(deadline: float) -> float:
     return max(deadline - time.monotonic(), 0.0)
+
+
+# ---- deadlines for work on CUDA streams: the watchdog, and event-backed Work ---------------------
+
+POLL_MAX = 0.05  # seconds between polls of a pending event, at most
+LINGER = 0.01  # seconds the watchdog keeps polling after its queue empties, before it idles
+TICK = 0.5  # seconds between looks at the store (dead peers; this rank's position)
+PROGRESS_KEY = "progress/{}"
+
+
+@dataclasses.dataclass(slots=True)
+class Pending:
+    """One enqueued call: the event after it, its deadline, and what must outlive its work."""
+
+    event: Any
+    deadline: float
+    opname: str
+    timeout: float
+    keep: Any = None
+
+
+class Positions:
+    """This rank's progress record, published in the group's store, and the diagnosis of
+    where every rank is (read back from the store) when a call times out."""
+
+    def __init__(self, store: Any, rank: int, size: int, progress: Progress):
+        self.store, self.rank, self.size, self.progress = store, rank, size, progress
+        self._sent = b""
+
+    def publish(self) -> None:
+        """Put this rank's record in the store if it changed since the last time."""
+        data = self.progress.encode()
+        if data != self._sent and self.store is not None:
+            try:
+                self.store.set(PROGRESS_KEY.format(self.rank), data)
+                self._sent = data
+            except Exception:  # noqa: BLE001 - a diagnosis aid: the store may be gone
+                pass
+
+    def diagnose(self) -> str:
+        """Which rank is behind and where, from the records in the store."""
+        self.publish()
+        try:
+            values = self.store.peek([PROGRESS_KEY.format(r) for r in range(self.size)])
+        except Exception as exc:  # noqa: BLE001
+            return f"the ranks' progress could not be read ({exc})"
+        found = {r: Progress.decode(r, v) for r, v in enumerate(values) if v is not None}
+        return diagnose(found, [r for r in range(self.size) if r not in found])
+
+
+class Watchdog:
+    """Polls the events of enqueued calls in issue order; calls ``on_fail(exc)`` once if one
+    misses its deadline, ``check()`` (NCCL's async error query) raises, or ``liveness`` finds a
+    peer that died."""
+
+    def __init__(self, rank: int, size: int, check: Callable[[str], None],
+                 on_fail: Callable[[GpucollError], None], liveness: Any = None,
+                 positions: Positions | None = None):
+        self.rank, self.size = rank, size
+        self._check, self._on_fail = check, on_fail
+        self._liveness, self._positions = liveness, positions
+        self._pending: collections.deque[Pending] = collections.deque()
+        self._cond = threading.Condition()
+        self._closed = False
+        self._idle = True  # the thread waits for work (not polling): adding must wake it
+        self._next_tick = self._next_look = 0.0
+        self._notice = Waiting(f"rank {rank}")  # a call long unfinished says where ranks are
+        self._noticed: Pending | None = None
+        self._thread = threading.Thread(target=self._run, daemon=True,
+                                        name=f"gpucoll-nccl-watchdog-{rank}")
+        self._thread.start()
+
+    def add(self, item: Pending) -> None:
+        # deque.append is atomic; the lock is taken only to wake an idle thread (the thread
+        # sets _idle before it looks at the deque, so no item is missed)
+        self._pending.append(item)
+        if self._idle:
+            with self._cond:
+                self._cond.notify()
+
+    def outstanding(self) -> list[Pending]:
+        """The calls not yet seen complete, in issue order."""
+        with self._cond:
+            return list(self._pending)
+
+    def clear(self) -> list[Pending]:
+        """Forget every pending call; returns them."""
+        with self._cond:
+            pending = list(self._pending)
+            self._pending.clear()
+        return pending
+
+    def close(self) -> None:
+        with self._cond:
+            self._closed = True
+            self._pending.clear()
+            self._cond.notify()
+        if self._thread is not threading.current_thread():
+            self._thread.join(timeout=5)
+
+    def _run(self) -> None:
+        delay = 0.0005
+        while True:
+            with self._cond:
+                if not self._pending and not self._closed:
+                    # stay awake a moment first: calls in quick succession then add their
+                    # events without waking this thread each time
+                    self._cond.wait(LINGER)
+                self._idle = True
+                if not self._pending and not self._closed:
+                    self._cond.wait(TICK)
+                self._idle = False
+                if self._closed:
+                    return
+                head = self._pending[0] if self._pending else None
+            self._tick()
+            if head is None:
+                continue
+            failure = self._inspect(head)
+            if failure is not None:
+                self.clear()
+                self._on_fail(failure)
+                continue
+            with self._cond:
+                if self._pending and self._pending[0] is head and not head.event.done:
+                    self._cond.wait(delay)
+                    delay = min(delay * 2, POLL_MAX)
+                    continue
+                self._retire()
+            delay = 0.0005
+
+    def _tick(self) -> None:
+        """At most every TICK seconds: publish this rank's position."""
+        now = time.monotonic()
+        if now >= self._next_tick:
+            self._next_tick = now + TICK
+            if self._positions is not None:
+                self._positions.publish()
+
+    def _retire(self) -> None:
+        """Drop every finished call at the head of the queue in one go (under the lock):
+        one pass per wake-up, not one per call, keeps this thread off the callers' GIL."""
+        pending = self._pending
+        try:
+            while pending and pending[0].event.done:
+                pending.popleft()
+        except Exception:  # noqa: BLE001 - _inspect reports it once that call is the head
+            pass
+
+    def _inspect(self, head: Pending) -> GpucollError | None:
+        try:
+            if head.event.done:
+                return None
+            self._check(head.opname)
+        except GpucollError as exc:
+            return exc
+        except Exception as exc:  # noqa: BLE001 - CUDA errors from the event query
+            return translate(exc, head.opname, self.rank, self.size)
+        now = time.monotonic()
+        if self._liveness is not None and now >= self._next_look:
+            self._next_look = now + TICK
+            try:  # a peer that closed may simply have finished first: only the dead count
+                died = [r for r, how in self._liveness.gone().items()
+                        if how != "closed" and r != self.rank]
+                if died:
+                    self._liveness.check(head.opname, died)
+            except PeerFailure as exc:
+                return exc
+            except GpucollError:
+                pass  # the store is gone: the deadline still holds
+        if now > head.deadline:
+            return self.expired(head)
+        self._say_waiting(head, now)
+        return None
+
+    def _say_waiting(self, head: Pending, now: float) -> None:
+        """Every GPUCOLL_WAIT_LOG seconds that ``head`` is unfinished, one line saying where
+        the ranks are (``gpucoll.progress``)."""
+        notice = self._notice
+        if head is not self._noticed:
+            self._noticed = head
+            begun = head.deadline - head.timeout
+            notice.restart(begun if begun == begun and begun < now else now)  # nan: no deadline
+            notice.what = f"{head.opname} on rank {self.rank} of {self.size}"
+            notice.timeout = head.timeout
+        if now >= notice.due:
+            notice.tick(lambda: f"(where the ranks are: {self._positions.diagnose()})"
+                        if self._positions is not None else "for its peers", now)
+
+    def expired(self, item: Pending) -> CollectiveTimeout:
+        """The error for a call that missed its deadline, saying where every rank is."""
+        why = f"; {self._positions.diagnose()}" if self._positions is not None else ""
+        return CollectiveTimeout(
+            f"{item.opname} on rank {self.rank} of {self.size} did not complete within "
+            f"{item.timeout:g} s{why}; the NCCL communicator was aborted")
+
+
+class EventWork(Work):
+    """An NCCL call in flight on a stream, marked by the CUDA event recorded after it.
+
+    ``wait()`` makes the caller's current stream wait for the call (the host does not block)
+    and returns its result; ``synchronize()`` (or ``wait(timeout)``) blocks the host until it
+    is done, bounded by the call's deadline; ``is_completed()`` queries the event.
+    """
+
+    def __init__(self, backend: Any, pending: Pending):
+        self._backend = backend
+        self._pending = pending
+
+    def is_completed(self) -> bool:
+        return self._backend.failure() is not None or bool(self._pending.event.done)
+
+    def _order(self) -> None:
+        self._backend.raise_failure()
+        rt = cuda.runtime()
+        rt.wait_event(rt.current_stream(), self._pending.event)
+
+    def _wait(self, timeout: float | None) -> bool:
+        p = self._pending
+        limit = p.deadline if timeout is None else time.monotonic() + timeout
+        if wait_event(p.event, limit, self._backend.raise_failure):
+            return True
+        if timeout is not None:
+            return False
+        self._backend.expire(p)  # as the watchdog would now (the first failure counts)
+        self._backend.raise_failure()
+        return True  # not reached: the backend has failed
+
+
+# ---- what backend="auto" picks: NCCL where it works for every rank, else the host ring -----------
+
+KEY = "auto/{}"
+MULTI_RANK_GPU_VERSION = (2, 30)
+
+
+def nccl_version(code: int) -> str:
+    """NCCL's integer version as text: 23203 -> "2.32.3" (codes before 2.9 were 2804 style)."""
+    if code <= 0:
+        return "unknown"
+    if code < 20900:
+        return f"{code // 1000}.{code % 1000 // 100}.{code % 100}"
+    return f"{code // 10000}.{code % 10000 // 100}.{code % 100}"
+
+
+def library_version(nc: Any) -> str:
+    """The version of the NCCL library nccl4py (``nc``) loaded, e.g. "2.32.3"."""
+    lib = nc.get_version().libnccl
+    if lib is None:
+        raise RuntimeError("nccl4py found no NCCL library (install nvidia-nccl-cu12)")
+    return str(lib.version)
+
+
+def several_ranks_per_gpu(version: str, environ: Any = None) -> bool:
+    """Whether NCCL ``version`` will accept several ranks of one communicator on one GPU."""
+    env = os.environ if environ is None else environ
+    numbers = tuple(int(p) for p in version.split(".")[:2] if p.isdigit())
+    return (env.get("NCCL_MULTI_RANK_GPU_ENABLE", "") == "1"
+            and numbers >= MULTI_RANK_GPU_VERSION and env.get("NCCL_NVLS_ENABLE", "") != "1")
+
+
+def local_verdict(rt: Any = None, *, rank: int = 0, device: Any = None) -> dict[str, Any]:
+    """Whether this process can run the NCCL backend and why (never raises): ``ok``, ``why``,
+    and when ok, ``gpu`` (host and PCI bus id of the device it would drive) and
+    ``shareable`` (NCCL here accepts other ranks on that GPU)."""
+    rt = cuda.runtime() if rt is None else rt
+    ok, why = rt.available()
+    if not ok:
+        return {"ok": False, "why": why}
+    try:
+        version = library_version(rt.nccl())
+    except Exception as exc:  # noqa: BLE001 - any failure to load NCCL means "not usable"
+        return {"ok": False, "why": f"nccl4py cannot be loaded ({type(exc).__name__}: {exc}); "
+                                    f"install gpucoll[cuda12]"}
+    try:
+        chosen = pick_device(rt, rank, device)
+        gpu = f"{socket.gethostname()}/{rt.device_identity(chosen)}"
+    except Exception as exc:  # noqa: BLE001
+        return {"ok": False, "why": f"no device to drive ({type(exc).__name__}: {exc})"}
+    return {"ok": True, "why": f"{why}, NCCL {version}, device {chosen}", "gpu": gpu,
+            "shareable": several_ranks_per_gpu(version)}
+
+
+def decide(verdicts: list[dict[str, Any]], rank: int) -> tuple[str, str]:
+    """The rule every rank applies to every rank's verdict: ``("nccl"|"ring", reason)``."""
+    unable = [(r, v["why"]) for r, v in enumerate(verdicts) if not v["ok"]]
+    if unable:
+        r, reason = unable[0]
+        more = f" (and {len(unable) - 1} other rank(s))" if len(unable) > 1 else ""
+        return "ring", f"auto: the host ring, because rank {r}{more} cannot use NCCL: {reason}"
+    by_gpu: dict[str, list[int]] = {}
+    for r, v in enumerate(verdicts):
+        by_gpu.setdefault(v["gpu"], []).append(r)
+    shared = [(gpu, ranks) for gpu, ranks in by_gpu.items() if len(ranks) > 1]
+    if shared and not all(v["shareable"] for v in verdicts):
+        gpu, ranks = shared[0]
+        return "ring", (
+            f"auto: the host ring, because ranks {', '.join(map(str, ranks))} would share GPU "
+            f"{gpu}, and NCCL refuses several ranks on one GPU unless every rank runs NCCL >= "
+            f"2.30 with NCCL_MULTI_RANK_GPU_ENABLE=1 (and without NCCL_NVLS_ENABLE=1)")
+    return "nccl", f"auto: every rank can use NCCL (rank {rank}: {verdicts[rank]['why']})"
+
+
+def agree(store: Any, rank: int, size: int, timeout: float,
+          device: Any = None) -> tuple[str, str]:
+    """Collective: ``("nccl"|"ring", reason)``, the same on every rank."""
+    mine = local_verdict(rank=rank, device=device)
+    keys = [KEY.format(r) for r in range(size)]
+    store.set(keys[rank], json.dumps(mine))
+    values = gather(store, keys, timeout, what="backend='auto'", rank=rank,
+                    absent="did not report whether it can use NCCL",
+                    liveness=Liveness.of(store, rank, size))
+    return decide([json.loads(v) for v in values], rank)
