@@ -163,13 +163,15 @@ def test_examples_use_only_the_public_package():
     assert deep == set()
 
 
-@pytest.mark.parametrize("package", ["launch", "store", "topology", "bench"])
+@pytest.mark.parametrize("package", ["launch", "store", "topology", "bench", "backends",
+                                     "backends.nccl", "transport"])
 def test_each_package_names_its_modules_in_its_docstring(package):
     """A package's file list reads as its table of contents: the docstring of its __init__
     says what each of its modules holds."""
     import importlib
 
     doc = importlib.import_module(f"gpucoll.{package}").__doc__
-    modules = {p.stem for p in (PACKAGE / package).glob("*.py") if not p.stem.startswith("__")}
+    modules = {p.stem for p in PACKAGE.joinpath(*package.split(".")).glob("*.py")
+               if not p.stem.startswith("__")}
     named = set(re.findall(r"``(\w+)``", doc.split("Modules:", 1)[1]))
     assert modules - named == set()

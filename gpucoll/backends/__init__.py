@@ -42,6 +42,11 @@ shape that every rank must agree on, which the ring stamps on its messages):
 Many arrays, and point to point in one go:
   all_reduce_coalesced          xs: arrays, each reduced in place, fused where the backend can
   batch_p2p                     ops: [(is_send, ref, peer)] -> one Work per op, all posted together
+
+Modules: ``ring`` (``RingBackend``, the host ring: NumPy arrays over shared memory and TCP),
+``ring_algos`` (its algorithms, one function per collective, and its grouped and uneven
+rounds), ``staged`` (device arrays staged through host memory over the ring), and the package
+``nccl`` (the NCCL backend).
 """
 
 from __future__ import annotations

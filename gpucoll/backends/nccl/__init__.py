@@ -1,5 +1,7 @@
 """The NCCL backend, driven through nccl4py (NVIDIA's NCCL binding).
 
+Modules:
+
 - ``backend``: ``NcclBackend``, the collectives on device arrays (out-of-place, uneven, coalesced
   and batched calls included), and its start-up through the store: device choice, arrival, the
   unique id; the watchdog thread and the event-backed ``Work``; and whether ``backend="auto"``
