@@ -585,13 +585,7 @@ def render(report: Report) -> str:
         f"CUDA driver {env.get('cuda_driver')}, runtime {env.get('cuda_runtime')}; "
         f"gpucoll's CUDA runtime: {report.runtime}",
     ]
-    devices = env.get("devices")
-    if isinstance(devices, list):
-        lines.append(f"devices: {len(devices)}")
-        lines += [f"  [{d['index']}] {d['name']}, {d['memory_gib']} GiB, sm "
-                  f"{d['compute_capability']}, {d['pci_bus_id']}" for d in devices]
-    else:
-        lines.append(f"devices: {devices}")
+    lines += device_lines(env.get("devices"), "devices: ")
     if report.note:
         lines += ["", f"**Nothing ran on a GPU: {report.note}.**",
                   "", f"exit status {report.status} (2: nothing could run)"]
@@ -697,11 +691,20 @@ def collect() -> dict[str, Any]:
     }
 
 
+def device_lines(devices: Any, head: str) -> list[str]:
+    """The report's lines about the devices ``collect`` found (or the text saying why none)."""
+    if not isinstance(devices, list):
+        return [f"{head}{devices}"]
+    return [f"{head}{len(devices)}"] + [
+        f"  [{d['index']}] {d['name']}, {d['memory_gib']} GiB, sm {d['compute_capability']}, "
+        f"{d['pci_bus_id']}" for d in devices]
+
+
 def render_info(info: dict[str, Any]) -> str:
+    """``gpucoll info``'s report as text, one line per item."""
     nccl = info["nccl"]
     if isinstance(nccl, dict):
         nccl = f"library {nccl['library']} (nccl4py {nccl['nccl4py']})"
-    devices = info["devices"]
     lines = [
         f"gpucoll       {info['gpucoll']} (Python {info['python']})",
         f"CuPy          {info['cupy']}",
@@ -709,12 +712,7 @@ def render_info(info: dict[str, Any]) -> str:
         f"CUDA runtime  {info['cuda_runtime']}",
         f"NCCL          {nccl}",
     ]
-    if isinstance(devices, list):
-        lines.append(f"devices       {len(devices)}")
-        lines += [f"  [{d['index']}] {d['name']}, {d['memory_gib']} GiB, "
-                  f"sm {d['compute_capability']}, {d['pci_bus_id']}" for d in devices]
-    else:
-        lines.append(f"devices       {devices}")
+    lines += device_lines(info["devices"], "devices       ")
     lines.append(f"auto backend  {info['auto_backend']}: {info['auto_reason']}")
     return "\n".join(lines)
 
