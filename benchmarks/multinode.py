@@ -179,6 +179,8 @@ def _read(path: str, library: str) -> list[Result]:
 def sweep(libraries: list[str], per_node: int, args: list[str], rounds: int) -> Iterator[dict]:
     """Every (round, library) job, rounds interleaving the libraries; one dict per row."""
     with Hosts() as hosts, tempfile.TemporaryDirectory() as folder:
+        print(f"# hosts: network namespaces {', '.join(hosts.ns)} at {', '.join(hosts.addr)} "
+              f"(removed at the end)", flush=True)
         for rnd in range(rounds):
             for lib in libraries:
                 for r in run_library(hosts, lib, per_node, args, folder):
