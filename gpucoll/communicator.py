@@ -66,7 +66,7 @@ from gpucoll.errors import (
     UsageError,
 )
 from gpucoll.objects import ObjectCalls
-from gpucoll.progress import KIND, NO_CALL, Recorder, clock, size_from_env, stream_id
+from gpucoll.progress import KIND, NO_CALL, Recorder, clock, ranks_text, size_from_env, stream_id
 from gpucoll.store import Liveness, agree_survivors, leave_group, share, wait_for_ranks
 from gpucoll.uneven import UnevenCalls
 from gpucoll.validation import VALID_OPS, Call, SignatureCheck, check_timeout
@@ -160,8 +160,8 @@ class GroupCalls:
         if odd:
             same = [r for r, v in enumerate(lists) if v == lists[self.rank]]
             raise CollectiveMismatch(
-                f"{c.where}: the ranks pass different member lists: {_ranks(same)} "
-                f"{'passes' if len(same) == 1 else 'pass'} {members}, {_ranks(odd)} "
+                f"{c.where}: the ranks pass different member lists: {ranks_text(same)} "
+                f"{'passes' if len(same) == 1 else 'pass'} {members}, {ranks_text(odd)} "
                 f"{'passes' if len(odd) == 1 else 'pass'} another; no group was made")
         mine = self.rank in members
         return self._split(c, 0 if mine else None, members.index(self.rank) if mine else 0, t)
@@ -216,8 +216,6 @@ def _members(c: Call, ranks: Any, size: int) -> list[int]:
     return sorted(out)
 
 
-def _ranks(ranks: list[int]) -> str:
-    return f"rank {ranks[0]}" if len(ranks) == 1 else f"ranks {', '.join(map(str, ranks))}"
 
 
 class Communicator(OutOfPlaceCalls, UnevenCalls, ObjectCalls, PointToPointCalls, FusedCalls,

@@ -52,7 +52,7 @@ from gpucoll.dumps import (
     read_facts,
 )
 from gpucoll.errors import GpucollError
-from gpucoll.progress import IN_CALL, Position
+from gpucoll.progress import IN_CALL, Position, ranks_text
 
 # -- the command ------------------------------------------------------------------------------
 WAIT_S = 3.0
@@ -256,7 +256,7 @@ class _Case:
                              and rec.error.get("peer") == r
                              and rec.error.get("type") == "PeerFailure")
             if blamers:
-                return (f"died or lost its connection, as {_ranks(blamers)} found "
+                return (f"died or lost its connection, as {ranks_text(blamers)} found "
                         f"(PeerFailure)")
             if self.live:
                 return "did not answer (stopped, or hung holding the interpreter?)"
@@ -282,9 +282,9 @@ class _Case:
             waits = [w for r in rs if (w := self._waited(r)) is not None and w >= 0.1]
             if waits:
                 text += f" for {max(waits):.1f} s"
-            parts.append(f"{_ranks(rs)} {'is' if len(rs) == 1 else 'are'} {text}"
+            parts.append(f"{ranks_text(rs)} {'is' if len(rs) == 1 else 'are'} {text}"
                          + (f", {_plural(note, len(rs))}" if note else ""))
-        parts += [f"{_ranks(rs)}: {note}, position unknown" for note, rs in silent.items()]
+        parts += [f"{ranks_text(rs)}: {note}, position unknown" for note, rs in silent.items()]
         return "; ".join(parts)
 
     def _waited(self, r: int) -> float | None:
@@ -311,7 +311,7 @@ class _Case:
             verb = "is" if len(ranks) == 1 else "are"
             if i == 0:
                 verb += " behind:"
-            parts.append(f"{_ranks(ranks)} {verb} {self._place(ranks)}")
+            parts.append(f"{ranks_text(ranks)} {verb} {self._place(ranks)}")
         return "; ".join(parts), True
 
     def _place(self, ranks: list[int]) -> str:
@@ -324,7 +324,7 @@ class _Case:
         if list(notes.values()) == [ranks]:  # one note for all of them
             return f"{text}, {_plural(next(iter(notes)), len(ranks))}"
         if notes:
-            text += " (" + "; ".join(f"{_ranks(rs)} {_plural(n, len(rs))}"
+            text += " (" + "; ".join(f"{ranks_text(rs)} {_plural(n, len(rs))}"
                                      for n, rs in notes.items()) + ")"
         return text
 
@@ -337,8 +337,8 @@ class _Case:
             went = sorted(r for r, s in reached.items() if s >= seq)
             stayed = sorted(r for r, s in reached.items() if s < seq)
             call = self._call_at(seq, went)
-            candidates.append((seq, f"#{seq}{f' ({call})' if call else ''}: {_ranks(went)} "
-                                    f"entered it, {_ranks(stayed)} did not"))
+            candidates.append((seq, f"#{seq}{f' ({call})' if call else ''}: {ranks_text(went)} "
+                                    f"entered it, {ranks_text(stayed)} did not"))
         if mismatch:
             candidates.append((mismatch[0], f"#{mismatch[0]}: the ranks called different "
                                             f"collectives (see mismatch)"))
@@ -378,7 +378,7 @@ class _Case:
                     classes.append((call, [r]))
             if len(classes) > 1:
                 classes.sort(key=lambda c: (-len(c[1]), c[1]))
-                return seq, "; ".join(f"{_ranks(rs)} called {describe(sig)}"
+                return seq, "; ".join(f"{ranks_text(rs)} called {describe(sig)}"
                                       for sig, rs in classes)
         return None
 
@@ -406,7 +406,7 @@ class _Case:
         for r in sorted(self.positions):
             if r not in died and r not in quiet:
                 others.setdefault(self.positions[r].order, []).append(r)
-        parts += [f"{_ranks(rs)} {'is' if len(rs) == 1 else 'are'} {self._place(rs)}"
+        parts += [f"{ranks_text(rs)} {'is' if len(rs) == 1 else 'are'} {self._place(rs)}"
                   for _, rs in sorted(others.items())]
         return "; ".join(parts)
 
@@ -455,7 +455,7 @@ class _Case:
                                                     else ""), []).append(other)
             else:
                 rest.setdefault(self.note(other), []).append(other)
-        then = "; ".join(f"{_ranks(sorted(rs))} "
+        then = "; ".join(f"{ranks_text(sorted(rs))} "
                          f"{what if what.startswith(('died', 'exited')) else 'raised ' + what}"
                          for what, rs in rest.items())
         return head, then
@@ -472,10 +472,10 @@ class _Case:
         for r, rec in sorted(self.records.items()):
             kind = "dump file" if rec.source.endswith(".jsonl") else rec.source
             by.setdefault(kind, []).append(r)
-        parts = [f"{_ranks(rs)} ({kind})" for kind, rs in by.items()]
+        parts = [f"{ranks_text(rs)} ({kind})" for kind, rs in by.items()]
         none = [r for r in range(self.g.size) if r not in self.records]
         if none:
-            parts.append(f"{_ranks(none)}: none")
+            parts.append(f"{ranks_text(none)}: none")
         return "; ".join(parts)
 
 
@@ -530,8 +530,6 @@ def _short(text: str, limit: int = 300) -> str:
     return text if len(text) <= limit else text[:limit] + " [...]"
 
 
-def _ranks(ranks: list[int]) -> str:
-    return f"rank {ranks[0]}" if len(ranks) == 1 else f"ranks {', '.join(map(str, ranks))}"
 
 
 # -- the timeline -----------------------------------------------------------------------------

@@ -153,13 +153,14 @@ def diagnose(positions: dict[int, Position], silent: list[int]) -> str:
         verb = "is" if len(ranks) == 1 else "are"
         if i == 0 and len(ordered) > 1:
             verb += " behind,"
-        parts.append(f"{_ranks(ranks)} {verb} {where}")
+        parts.append(f"{ranks_text(ranks)} {verb} {where}")
     if silent:
-        parts.append(f"{_ranks(silent)} did not answer and could not be read")
+        parts.append(f"{ranks_text(silent)} did not answer and could not be read")
     return "; ".join(parts) or "no rank's progress could be read"
 
 
-def _ranks(ranks: list[int]) -> str:
+def ranks_text(ranks: list[int]) -> str:
+    """"rank 2" or "ranks 0, 1, 3": how every message names a set of ranks."""
     return f"rank {ranks[0]}" if len(ranks) == 1 else f"ranks {', '.join(map(str, ranks))}"
 
 

@@ -29,6 +29,7 @@ from gpucoll.arrays import (
     new_array,
 )
 from gpucoll.errors import CollectiveMismatch
+from gpucoll.progress import ranks_text
 from gpucoll.validation import Call, entry, overlaps
 from gpucoll.work import Deferred
 
@@ -74,7 +75,7 @@ def check_agree(c: Call, rows: np.ndarray, what: str, senders: Sequence[int] | N
         dtype, _, trailing, _ = read(row)
         seen.setdefault((dtype.name, trailing), []).append(r)
     if len(seen) > 1:
-        detail = "; ".join(f"{_ranks(rs)} {'passes' if len(rs) == 1 else 'pass'} {name} "
+        detail = "; ".join(f"{ranks_text(rs)} {'passes' if len(rs) == 1 else 'pass'} {name} "
                            f"{_shape(trailing)}" for (name, trailing), rs in seen.items())
         raise CollectiveMismatch(f"{c.where}: the ranks disagree on the dtype or trailing shape "
                                  f"of {what}: {detail}; no data moved")
@@ -427,5 +428,3 @@ def _shape(trailing: Sequence[int]) -> str:
     return f"(k, {', '.join(map(str, trailing))})" if trailing else "(k,)"
 
 
-def _ranks(ranks: list[int]) -> str:
-    return f"rank {ranks[0]}" if len(ranks) == 1 else f"ranks {', '.join(map(str, ranks))}"

@@ -31,6 +31,7 @@ from typing import Any
 from gpucoll.arrays import ArrayRef, as_ref, check_dtype, empty_ref
 from gpucoll.errors import CollectiveMismatch, GpucollError
 from gpucoll.ops import ReduceOp, check_op_dtype, parse_op
+from gpucoll.progress import ranks_text
 from gpucoll.store import Liveness, fetch, share
 
 
@@ -256,9 +257,9 @@ class SignatureCheck:
         for r, s in enumerate(sigs):
             calls.setdefault(describe(s), []).append(r)
         odd = [r for r, s in enumerate(sigs) if not compatible(anchor, s)]
-        detail = "; ".join(f"{_ranks(rs)} called {call}" for call, rs in calls.items())
+        detail = "; ".join(f"{ranks_text(rs)} called {call}" for call, rs in calls.items())
         raise CollectiveMismatch(
-            f"{where}: collective #{seq} differs across ranks ({_ranks(odd)} "
+            f"{where}: collective #{seq} differs across ranks ({ranks_text(odd)} "
             f"{'disagrees' if len(odd) == 1 else 'disagree'} with rank {sigs.index(anchor)}): "
             f"{detail}"
         )
@@ -308,5 +309,3 @@ class SignatureCheck:
         return f"{name} on rank {self.rank} of {self.size}"
 
 
-def _ranks(ranks: list[int]) -> str:
-    return f"rank {ranks[0]}" if len(ranks) == 1 else f"ranks {', '.join(map(str, ranks))}"

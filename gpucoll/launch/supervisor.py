@@ -56,6 +56,7 @@ from typing import Any, BinaryIO
 
 from gpucoll.dumps import FACTS_FILE
 from gpucoll.launch.config import Binding, LaunchConfig, rank_env
+from gpucoll.progress import ranks_text
 from gpucoll.rendezvous import store_url
 
 # ---- how the launcher tells what happened --------------------------------------------------------
@@ -650,8 +651,8 @@ class Job:
         if coded:
             return exit_status(coded[0].returncode)
         if finished:
-            self._note(f"--keep-going: {_ranks(lost)} lost, {_ranks(finished)} finished; the "
-                       f"job succeeds")
+            self._note(f"--keep-going: {ranks_text(lost)} lost, {ranks_text(finished)} "
+                       f"finished; the job succeeds")
             return 0
         return exit_status(self.first_failure.returncode)
 
@@ -690,8 +691,6 @@ class Job:
         self.console.write("stderr", (msg + "\n").encode())
 
 
-def _ranks(ranks: list[int]) -> str:
-    return f"rank {ranks[0]}" if len(ranks) == 1 else f"ranks {', '.join(map(str, ranks))}"
 
 
 def console() -> Console:

@@ -29,7 +29,7 @@ from collections.abc import Sequence
 from typing import Any
 
 from gpucoll.errors import CollectiveTimeout, GpucollError, PeerFailure, StoreError, StoreTimeout
-from gpucoll.progress import Waiting
+from gpucoll.progress import Waiting, ranks_text
 from gpucoll.store.protocol import (
     DEFAULT_MAX_VALUE_BYTES,
     FRAME_SLACK,
@@ -818,11 +818,11 @@ def wait_for_ranks(store: Any, keys: Sequence[str], timeout: float, *, what: str
                 if None not in store.peek(keys):
                     return
                 raise
-        notice.tick(lambda: f"for {_ranks(_missing(store, keys, ranks))}")
+        notice.tick(lambda: f"for {ranks_text(_missing(store, keys, ranks))}")
         if time.monotonic() >= deadline:
             missing = _missing(store, keys, ranks)
             raise CollectiveTimeout(
-                f"{what} on rank {rank} of {size}: {_ranks(missing)} {absent} within "
+                f"{what} on rank {rank} of {size}: {ranks_text(missing)} {absent} within "
                 f"{time.monotonic() - start:.1f} s (timeout={timeout:g} s)")
 
 
@@ -945,13 +945,11 @@ def _gone(others: dict[int, str], what: str, rank: int, size: int) -> PeerFailur
     where = f"during {what} on rank {rank} of {size}"
     parts = []
     if died:
-        parts.append(f"{_ranks(died)} died {where} (the process ended or lost its connection "
+        parts.append(f"{ranks_text(died)} died {where} (the process ended or lost its connection "
                      f"to the store)")
     if closed:
-        parts.append(f"{_ranks(closed)} closed {'its' if len(closed) == 1 else 'their'} "
+        parts.append(f"{ranks_text(closed)} closed {'its' if len(closed) == 1 else 'their'} "
                      f"communicator {where}")
     return PeerFailure("; ".join(parts), peer=(died or closed)[0])
 
 
-def _ranks(ranks: list[int]) -> str:
-    return f"rank {ranks[0]}" if len(ranks) == 1 else f"ranks {', '.join(map(str, ranks))}"
