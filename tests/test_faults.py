@@ -539,6 +539,9 @@ CALLS = {
     "op": lambda comm, odd: comm.all_reduce(np.ones(4, np.float32), op="max" if odd else "sum"),
     "large size": lambda comm, odd: comm.all_reduce(np.ones(300_001 if odd else 300_000,
                                                             np.float32)),
+    # both read in place from the rings at 2 ranks; at 3 and 4 one side takes the general path
+    "half-ring size": lambda comm, odd: comm.all_reduce(np.ones(200_000 if odd else 131_071,
+                                                                np.float32)),
 }
 
 

@@ -345,3 +345,31 @@ def _beyond_64_mib(rank, n, addr, transport):
 @pytest.mark.parametrize("transport", TRANSPORTS)
 def test_arrays_beyond_64_mib_reduce_and_broadcast_exactly(store_addr, transport):
     spawn(_beyond_64_mib, 3, store_addr, transport, timeout=100)
+
+
+def _half_ring_calls(rank, n, addr, ring_bytes):
+    import gpucoll
+
+    wrong = []
+    with gpucoll.init("ring", rank=rank, world_size=n, store=addr, timeout=30) as comm:
+        for i in range(14):  # enough calls of these sizes to go round a 2 MiB ring many times
+            count = (16_385, 131_071, 262_000, 70_001)[i % 4]
+            x = data(rank, count, np.dtype("int32"), salt=i)
+            comm.all_reduce(x)
+            if not np.array_equal(x, sum(data(r, count, np.dtype("int32"), salt=i)
+                                         for r in range(n))):
+                wrong.append(f"all_reduce {i}")
+            y = data(i % n, count, np.dtype("float32"), salt=i) if rank == i % n \
+                else np.zeros(count, np.float32)
+            comm.broadcast(y, root=i % n)
+            if not np.array_equal(y, data(i % n, count, np.dtype("float32"), salt=i)):
+                wrong.append(f"broadcast {i}")
+    return wrong
+
+
+@pytest.mark.parametrize("n,ring_bytes", [(2, None), (3, None), (2, "65536")])
+def test_calls_up_to_half_a_ring_are_exact_as_they_wrap_around_it(store_addr, n, ring_bytes):
+    env = {"GPUCOLL_TRANSPORT": "shm"}
+    if ring_bytes:
+        env["GPUCOLL_SHM_RING_BYTES"] = ring_bytes
+    assert spawn(_half_ring_calls, n, store_addr, ring_bytes, timeout=90, env=env) == [[]] * n

@@ -116,8 +116,9 @@ class RingBackend(GroupedRing, Backend):
                                 self.progress, self._unconsumed)
         peers = [link for link in self._mesh.links if link is not None]
         # every peer on shared memory: calls of at most this many bytes take the small path
-        self._small_bytes = min((link.whole for link in peers), default=WHOLE) \
-            - algos.FRAME.size if all(link.kind == "shm" for link in peers) else -1
+        self._small_bytes = min(min((link.whole for link in peers), default=WHOLE)
+                                - algos.FRAME.size, algos.DIRECT_TOTAL // max(size - 1, 1)) \
+            if all(link.kind == "shm" for link in peers) else -1
         self._peer_links = tuple(peers)
 
     @property

@@ -174,6 +174,13 @@ def use_direct(nbytes: int, size: int) -> bool:
     return nbytes <= DIRECT_BYTES and nbytes * (size - 1) <= DIRECT_TOTAL
 
 
+def _direct_in_place(s: Step, nbytes: int) -> bool:
+    """Larger messages still go in one round where every peer's ring holds them whole: the
+    peers' values are read where they lie, so the round costs no more copies than the ring."""
+    return nbytes * (s.size - 1) <= DIRECT_TOTAL and s.in_place(
+        [j for j in s.order if j != s.rank], nbytes)
+
+
 # -- all_reduce -----------------------------------------------------------------------------
 def all_reduce(s: Step, x: np.ndarray, ufunc, finish: Callable | None) -> None:
     """Reduce ``x`` over all ranks, in place; ``finish(view)`` post-processes (avg)."""
@@ -181,7 +188,7 @@ def all_reduce(s: Step, x: np.ndarray, ufunc, finish: Callable | None) -> None:
         if finish is not None:
             finish(x)
         return
-    if use_direct(x.nbytes, s.size):
+    if use_direct(x.nbytes, s.size) or _direct_in_place(s, x.nbytes):
         _all_reduce_direct(s, x, ufunc)
         if finish is not None:
             finish(x)

@@ -35,7 +35,7 @@ FRAME_MAGIC = b"GCf1"  # how a message's frame header starts (gpucoll.backends.r
 HEADER = 256
 HEAD, TX_SLEEP, TAIL, RX_SLEEP = 0, 1, 16, 17  # int64 slots of the header
 PIECE = 512 << 10  # bytes moved per step: the peer works on the previous piece meanwhile
-WHOLE = 64 << 10  # messages up to this size never wrap, so a receiver can read them in place
+WHOLE = 1 << 20  # messages up to this size (and half a ring) never wrap: read in place
 
 
 # CPUs whose memory model (total store order) makes the ring's counter protocol correct
@@ -246,9 +246,12 @@ class ShmLink:
         return pos % self.rx.cap if self.rx.ctl[HEAD] - pos >= nbytes else -1
 
     def release(self, nbytes: int) -> None:
-        """Hand a peeked message's space back to the sender."""
-        self._consumed(nbytes)
-        self.end_recv()
+        """Hand a peeked message's space back to the sender (one counter store)."""
+        rx = self.rx
+        self._pos = pos = _align16(self._pos + nbytes)
+        rx.ctl[TAIL] = pos
+        if rx.ctl[TX_SLEEP]:
+            self._ring_peer()
 
     def can_recv(self) -> bool:
         return self.rx.ctl[HEAD] - self._pos > 0
