@@ -24,6 +24,7 @@ from gpucoll.progress import Waiting
 
 SPIN_S = 50e-6  # busy polling before yielding: peers on other cores answer within this
 YIELD_S = 25e-6  # then sched_yield, only when processes outnumber cores
+YIELD_OWN_S = 1e-3  # ... longer when this job's own ranks do: the rank waited for needs the core
 LOAD_CHECK_S = 0.1  # how often to look at the machine's load
 CORES = len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else os.cpu_count() or 1
 NAP_MS = 2  # longest sleep between re-checks (covers a doorbell raced past)
@@ -283,9 +284,13 @@ class Engine:
     def _set_policy(self, crowded: bool) -> None:
         """Long spins when every rank has a core; when cores are short (our ranks or other
         processes), spin a little, then yield the core to whoever we wait for, then sleep.
-        (Yielding longer would give whole time slices to unrelated processes.)"""
+        Yielding goes on for longer when our own ranks outnumber the cores: the peer waited
+        for is then most likely the process the yield lets run, and a doorbell costs both
+        sides system calls. (With only other processes crowding, a long yield would hand
+        them whole time slices; a sleeping rank is woken ahead of them.)"""
         self.spin_s = 5e-6 if crowded else SPIN_S
-        self.yield_s = self.spin_s + YIELD_S if crowded else 0.0
+        extra = YIELD_OWN_S if self.oversubscribed else YIELD_S
+        self.yield_s = self.spin_s + extra if crowded else 0.0
 
     def _watch_load(self, now: float) -> None:
         """Every LOAD_CHECK_S, see whether other processes crowd the cores."""
