@@ -214,6 +214,13 @@ def _all_reduce_direct(s: Step, x: np.ndarray, ufunc) -> None:
 def fold_in_rank_order(rank: int, x: np.ndarray, bufs: dict, ufunc) -> None:
     """x := v0 op v1 op ... op v(n-1), left to right, where v(rank) is x itself (``bufs`` may be
     overwritten)."""
+    if len(bufs) == 1:  # two ranks: one step, the lower rank's value on the left
+        (j, other), = bufs.items()
+        if j < rank:
+            ufunc(other, x, out=x)
+        else:
+            ufunc(x, other, out=x)
+        return
     order = sorted([*bufs, rank])
     if order[0] == rank:
         acc = x

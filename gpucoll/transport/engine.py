@@ -24,7 +24,6 @@ from gpucoll.progress import Waiting
 
 SPIN_S = 50e-6  # busy polling before yielding: peers on other cores answer within this
 YIELD_S = 25e-6  # then sched_yield, only when processes outnumber cores
-YIELD_OWN_S = 1e-3  # ... longer when this job's own ranks do: the rank waited for needs the core
 LOAD_CHECK_S = 0.1  # how often to look at the machine's load
 CORES = len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else os.cpu_count() or 1
 NAP_MS = 2  # longest sleep between re-checks (covers a doorbell raced past)
@@ -284,13 +283,10 @@ class Engine:
     def _set_policy(self, crowded: bool) -> None:
         """Long spins when every rank has a core; when cores are short (our ranks or other
         processes), spin a little, then yield the core to whoever we wait for, then sleep.
-        Yielding goes on for longer when our own ranks outnumber the cores: the peer waited
-        for is then most likely the process the yield lets run, and a doorbell costs both
-        sides system calls. (With only other processes crowding, a long yield would hand
-        them whole time slices; a sleeping rank is woken ahead of them.)"""
+        (Yielding longer would give whole time slices to unrelated processes; with only this
+        job's ranks crowding the cores, yielding for 1 ms instead measured no faster.)"""
         self.spin_s = 5e-6 if crowded else SPIN_S
-        extra = YIELD_OWN_S if self.oversubscribed else YIELD_S
-        self.yield_s = self.spin_s + extra if crowded else 0.0
+        self.yield_s = self.spin_s + YIELD_S if crowded else 0.0
 
     def _watch_load(self, now: float) -> None:
         """Every LOAD_CHECK_S, see whether other processes crowd the cores."""
@@ -403,41 +399,55 @@ class Engine:
         general engine's bookkeeping."""
         state = self.state
         nbytes = len(mv) + FRAME_BYTES
+        unsent = []
         for link in send_to:
             if link.peer in state.closed_peers or link.peer in state.ended:
                 raise self._gone_peer(link.peer, True, nbytes, opname)
             link.begin(True, nbytes)
+            if not link.put(hdr, mv):
+                unsent.append(link)
+        found, waiting = [], []
         for link in recv_from:
             link.begin(False, nbytes)
-        unsent, waiting = list(send_to), list(recv_from)
-        found = [-1] * len(waiting)
+            at = link.arrived(nbytes)
+            if at < 0:
+                waiting.append(link)
+            else:
+                at = self._payload_at(link, at, hdr, opname)
+            found.append(at)
+        if not (unsent or waiting):  # the peers were first: nothing to wait for
+            return found
+        polls = 16 if self.yield_s else 256  # a tight spin on shared cores starves the peer
         idle_since = 0.0
         while True:
-            moved = False
-            if unsent:
-                for link in tuple(unsent):
-                    if link.put(hdr, mv):
-                        unsent.remove(link)
-                        moved = True
+            for link in waiting:
+                self._check_early_header(link, hdr, opname)
+            # poll the first awaited counter tightly before the slower rounds of checks
+            if unsent or not waiting[0].poll_arrival(nbytes, polls):
+                idle_since = self._idle_small(idle_since, deadline, unsent, waiting, nbytes,
+                                              opname)
+            for link in tuple(unsent):
+                if link.put(hdr, mv):
+                    unsent.remove(link)
+                    idle_since = 0.0
             for i, link in enumerate(recv_from):
                 if found[i] < 0:
                     at = link.arrived(nbytes)
                     if at < 0:
-                        self._check_early_header(link, hdr, opname)
                         continue
-                    head = link.rx.mv[at:at + FRAME_BYTES]
-                    if head != hdr:
-                        raise self._mismatch(FrameMismatch(link.peer, head.tobytes(), hdr),
-                                             opname)
-                    found[i] = at + FRAME_BYTES
+                    found[i] = self._payload_at(link, at, hdr, opname)
                     waiting.remove(link)
-                    moved = True
+                    idle_since = 0.0
             if not (unsent or waiting):
                 return found
-            if moved:
-                idle_since = 0.0
-                continue
-            idle_since = self._idle_small(idle_since, deadline, unsent, waiting, nbytes, opname)
+
+    def _payload_at(self, link, at: int, hdr: bytes, opname: str) -> int:
+        """Where the payload of the complete small message at ``at`` starts, once its frame
+        header is this call's."""
+        head = link.rx.mv[at:at + FRAME_BYTES]
+        if head != hdr:
+            raise self._mismatch(FrameMismatch(link.peer, head.tobytes(), hdr), opname)
+        return at + FRAME_BYTES
 
     def _check_early_header(self, link, hdr: bytes, opname: str) -> None:
         """A peer that sent a shorter message of another call is caught, not waited for."""

@@ -245,6 +245,15 @@ class ShmLink:
         pos = self._pos
         return pos % self.rx.cap if self.rx.ctl[HEAD] - pos >= nbytes else -1
 
+    def poll_arrival(self, nbytes: int, polls: int) -> bool:
+        """Read the peer's counter up to ``polls`` times (~0.1 us each) until the next small
+        message is all there; True once it is."""
+        ctl, want = self.rx.ctl, self._pos + nbytes
+        for _ in range(polls):
+            if ctl[HEAD] >= want:
+                return True
+        return False
+
     def release(self, nbytes: int) -> None:
         """Hand a peeked message's space back to the sender (one counter store)."""
         rx = self.rx
