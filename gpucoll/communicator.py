@@ -276,16 +276,22 @@ class Communicator(OutOfPlaceCalls, UnevenCalls, ObjectCalls, PointToPointCalls,
         Every rank gets a bit-identical result (a fixed reduction order). With ``out`` the
         result lands there instead, ``x`` is only read, and ``out`` is returned.
         """
-        if (type(x) is np.ndarray and not async_op and timeout is None and stream is None
-                and out is None):
+        if type(x) is np.ndarray and not async_op and timeout is None and stream is None:
             lean = self._lean_backend
             try:
                 rop = VALID_OPS.get((op, x.dtype))
             except TypeError:  # an unhashable op: the general path says what is wrong
                 rop = None
-            if lean is not None and rop is not None and x.flags.writeable and self._lean(
-                    "all_reduce", _ALL_REDUCE, lean.host_all_reduce, x, rop):
-                return x
+            if lean is not None and rop is not None:
+                if out is None:
+                    if x.flags.writeable and self._lean("all_reduce", _ALL_REDUCE,
+                                                        lean.host_all_reduce, x, rop):
+                        return x
+                elif (type(out) is np.ndarray and out.shape == x.shape and out.dtype == x.dtype
+                      and out.flags.writeable and not np.may_share_memory(x, out)
+                      and self._lean("all_reduce", _ALL_REDUCE,
+                                     _into(out, x, lean.host_all_reduce), out, rop)):
+                    return out
         return self._all_reduce(x, op, async_op, timeout, stream, out)
 
     @_entry
@@ -948,6 +954,15 @@ _ALL_REDUCE, _BROADCAST = KIND["all_reduce"], KIND["broadcast"]
 _LEAN_DTYPES = frozenset(dtype_from_name(n) for n in SUPPORTED_DTYPES if n != "bfloat16")
 _LAYOUT = struct.Struct("<BBB")  # dtype code, array kind, ndim; then ndim int64 extents
 _KINDS = ("host", "device")
+
+
+def _into(out: np.ndarray, x: np.ndarray, run: Callable) -> Callable:
+    """``run`` (a lean in-place call) on ``out`` once ``x`` is copied there: an out-of-place
+    call is the in-place one on ``out``, as the general path makes it."""
+    def copied(flat: np.ndarray, arg: Any, seq: int, timeout: float) -> None:
+        np.copyto(out, x)
+        run(flat, arg, seq, timeout)
+    return copied
 
 
 def _layout(dtype: np.dtype, shape: tuple[int, ...], kind: str) -> bytes:

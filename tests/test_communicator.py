@@ -65,6 +65,18 @@ def out_buffers_are_filled_and_returned(comm):
     assert (red == comm.size).all()
 
 
+def out_of_place_and_in_place_all_reduce_meet_in_one_call(comm):
+    x = np.arange(6, dtype=np.int64) + comm.rank
+    if comm.rank % 2:  # odd ranks out of place, even ranks in place
+        out = np.full(6, -1, np.int64)
+        assert comm.all_reduce(x, out=out) is out
+        assert x.tolist() == (np.arange(6) + comm.rank).tolist()
+        x = out
+    else:
+        assert comm.all_reduce(x) is x
+    assert x.tolist() == sum(np.arange(6) + r for r in range(comm.size)).tolist()
+
+
 def strided_inputs_are_reduced_and_written_back(comm):
     x = np.zeros((4, 6), dtype=np.int32)
     col = x[:, 1]  # a strided view
@@ -126,6 +138,7 @@ SCENARIOS = [
     sync_call_sees_earlier_async_results,
     async_validation_errors_raise_at_the_call,
     out_buffers_are_filled_and_returned,
+    out_of_place_and_in_place_all_reduce_meet_in_one_call,
     strided_inputs_are_reduced_and_written_back,
     buffer_protocol_objects_work,
     split_by_parity_orders_ranks_by_key,
@@ -291,3 +304,12 @@ def test_torch_cpu_tensors_are_reduced_in_place_and_new_results_are_numpy(store_
     pytest.importorskip("torch")
     assert spawn(_torch_cpu_tensors, 2, store_addr, timeout=90) == \
         [[True, [3.0, 3.0, 3.0], "ndarray", [[0], [1]]]] * 2
+
+
+def test_a_closed_communicator_leaves_out_untouched(store_addr):
+    comm = gpucoll.init("ring", rank=0, world_size=1, store=store_addr, timeout=10)
+    comm.close()
+    out = np.full(3, -1.0)
+    with pytest.raises(ValueError, match="closed"):
+        comm.all_reduce(np.ones(3), out=out)
+    assert (out == -1).all()
