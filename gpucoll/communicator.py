@@ -216,8 +216,6 @@ def _members(c: Call, ranks: Any, size: int) -> list[int]:
     return sorted(out)
 
 
-
-
 class Communicator(OutOfPlaceCalls, UnevenCalls, ObjectCalls, PointToPointCalls, FusedCalls,
                    GroupCalls):
     """A group of ``size`` ranks; this process is ``rank``; ``backend`` names the engine.

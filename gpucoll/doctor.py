@@ -530,8 +530,6 @@ def _short(text: str, limit: int = 300) -> str:
     return text if len(text) <= limit else text[:limit] + " [...]"
 
 
-
-
 # -- the timeline -----------------------------------------------------------------------------
 _ARGS = ("seq", "dtype", "count", "root", "op", "peer", "stream", "state")
 

@@ -426,5 +426,3 @@ def _per_row(trailing: Sequence[int]) -> int:
 
 def _shape(trailing: Sequence[int]) -> str:
     return f"(k, {', '.join(map(str, trailing))})" if trailing else "(k,)"
-
-

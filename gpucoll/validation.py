@@ -307,5 +307,3 @@ class SignatureCheck:
 
     def _where(self, name: str) -> str:
         return f"{name} on rank {self.rank} of {self.size}"
-
-

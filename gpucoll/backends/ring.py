@@ -37,7 +37,6 @@ from gpucoll.ops import ReduceOp, finish_avg, fp_quiet, fp_restore, host_ufunc
 from gpucoll.progress import IN_CALL, KIND, SLOTS, Progress, diagnose, kind_name
 from gpucoll.transport.engine import CORES, Engine, Recv, Send, State
 from gpucoll.transport.mesh import Mesh, Monitor, encode_abort, encode_close
-from gpucoll.transport.shm import WHOLE
 from gpucoll.work import FutureWork
 
 if TYPE_CHECKING:
@@ -115,10 +114,8 @@ class RingBackend(GroupedRing, Backend):
         self._monitor = Monitor(rank, self._mesh.control, self._mesh.bell, self._state,
                                 self.progress, self._unconsumed)
         peers = [link for link in self._mesh.links if link is not None]
-        # every peer on shared memory: calls of at most this many bytes take the small path
-        self._small_bytes = min(min((link.whole for link in peers), default=WHOLE)
-                                - algos.FRAME.size, algos.DIRECT_TOTAL // max(size - 1, 1)) \
-            if all(link.kind == "shm" for link in peers) else -1
+        # calls of at most this many bytes take the small path (the general path's rule)
+        self._small_bytes = algos.in_place_bytes(peers, size)
         self._peer_links = tuple(peers)
 
     @property

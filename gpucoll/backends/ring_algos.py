@@ -174,11 +174,19 @@ def use_direct(nbytes: int, size: int) -> bool:
     return nbytes <= DIRECT_BYTES and nbytes * (size - 1) <= DIRECT_TOTAL
 
 
+def in_place_bytes(links: Sequence, size: int) -> int:
+    """The largest all_reduce, in bytes, that still goes in one round when every peer's ring
+    holds it whole (half a ring at most) and a rank sends at most DIRECT_TOTAL in the round: the
+    peers' values are read where they lie, so the round costs no more copies than the ring.
+    -1 when a link is not shared memory."""
+    if not links or any(link.kind != "shm" for link in links):
+        return -1
+    return min(min(link.whole for link in links) - FRAME.size, DIRECT_TOTAL // max(size - 1, 1))
+
+
 def _direct_in_place(s: Step, nbytes: int) -> bool:
-    """Larger messages still go in one round where every peer's ring holds them whole: the
-    peers' values are read where they lie, so the round costs no more copies than the ring."""
-    return nbytes * (s.size - 1) <= DIRECT_TOTAL and s.in_place(
-        [j for j in s.order if j != s.rank], nbytes)
+    links = s.engine.links
+    return nbytes <= in_place_bytes([links[j] for j in s.order if j != s.rank], s.size)
 
 
 # -- all_reduce -----------------------------------------------------------------------------

@@ -691,7 +691,5 @@ class Job:
         self.console.write("stderr", (msg + "\n").encode())
 
 
-
-
 def console() -> Console:
     return Console(sys.stdout.buffer, sys.stderr.buffer)

@@ -951,5 +951,3 @@ def _gone(others: dict[int, str], what: str, rank: int, size: int) -> PeerFailur
         parts.append(f"{ranks_text(closed)} closed {'its' if len(closed) == 1 else 'their'} "
                      f"communicator {where}")
     return PeerFailure("; ".join(parts), peer=(died or closed)[0])
-
-

@@ -399,33 +399,17 @@ class Engine:
         general engine's bookkeeping."""
         state = self.state
         nbytes = len(mv) + FRAME_BYTES
-        unsent = []
         for link in send_to:
             if link.peer in state.closed_peers or link.peer in state.ended:
                 raise self._gone_peer(link.peer, True, nbytes, opname)
             link.begin(True, nbytes)
-            if not link.put(hdr, mv):
-                unsent.append(link)
-        found, waiting = [], []
         for link in recv_from:
             link.begin(False, nbytes)
-            at = link.arrived(nbytes)
-            if at < 0:
-                waiting.append(link)
-            else:
-                at = self._payload_at(link, at, hdr, opname)
-            found.append(at)
-        if not (unsent or waiting):  # the peers were first: nothing to wait for
-            return found
+        unsent, waiting = list(send_to), list(recv_from)
+        found = [-1] * len(waiting)
         polls = 16 if self.yield_s else 256  # a tight spin on shared cores starves the peer
         idle_since = 0.0
         while True:
-            for link in waiting:
-                self._check_early_header(link, hdr, opname)
-            # poll the first awaited counter tightly before the slower rounds of checks
-            if unsent or not waiting[0].poll_arrival(nbytes, polls):
-                idle_since = self._idle_small(idle_since, deadline, unsent, waiting, nbytes,
-                                              opname)
             for link in tuple(unsent):
                 if link.put(hdr, mv):
                     unsent.remove(link)
@@ -440,6 +424,12 @@ class Engine:
                     idle_since = 0.0
             if not (unsent or waiting):
                 return found
+            for link in waiting:
+                self._check_early_header(link, hdr, opname)
+            # poll the first awaited counter tightly before the slower rounds of checks
+            if unsent or not waiting[0].poll_arrival(nbytes, polls):
+                idle_since = self._idle_small(idle_since, deadline, unsent, waiting, nbytes,
+                                              opname)
 
     def _payload_at(self, link, at: int, hdr: bytes, opname: str) -> int:
         """Where the payload of the complete small message at ``at`` starts, once its frame

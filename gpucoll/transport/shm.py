@@ -255,12 +255,9 @@ class ShmLink:
         return False
 
     def release(self, nbytes: int) -> None:
-        """Hand a peeked message's space back to the sender (one counter store)."""
-        rx = self.rx
-        self._pos = pos = _align16(self._pos + nbytes)
-        rx.ctl[TAIL] = pos
-        if rx.ctl[TX_SLEEP]:
-            self._ring_peer()
+        """Hand a peeked message's space back to the sender, up to the next message's start
+        (one counter store)."""
+        self._consumed(_align16(self._pos + nbytes) - self._pos)
 
     def can_recv(self) -> bool:
         return self.rx.ctl[HEAD] - self._pos > 0
