@@ -38,6 +38,8 @@ pytestmark = pytest.mark.timeout(120)
 
 
 def _env(transport: str, **more: str) -> dict[str, str]:
+    if transport == "shm-python":  # shared memory without the compiled small exchange
+        return {"GPUCOLL_TRANSPORT": "shm", "GPUCOLL_NATIVE": "0", **more}
     return {"GPUCOLL_TRANSPORT": transport, **more}
 
 
@@ -567,7 +569,7 @@ def _disagree(rank, n, addr, case):
     return None
 
 
-@pytest.mark.parametrize("transport", TRANSPORTS)
+@pytest.mark.parametrize("transport", [*TRANSPORTS, "shm-python"])
 @pytest.mark.parametrize("n", WORLDS)
 @pytest.mark.parametrize("case", sorted(CALLS))
 def test_ranks_that_make_different_calls_all_raise_a_mismatch_naming_both(store_addr,
@@ -610,7 +612,7 @@ def _one_rank_stops(rank, n, addr):
     return outcome
 
 
-@pytest.mark.parametrize("transport", TRANSPORTS)
+@pytest.mark.parametrize("transport", [*TRANSPORTS, "shm-python"])
 @pytest.mark.parametrize("n", [2, 3, 4])
 def test_a_stopped_rank_is_named_with_where_it_stopped_by_every_other_rank(store_addr,
                                                                            transport, n):

@@ -367,9 +367,11 @@ def _half_ring_calls(rank, n, addr, ring_bytes):
     return wrong
 
 
+@pytest.mark.parametrize("native", ["1", "0"], ids=["compiled", "python"])
 @pytest.mark.parametrize("n,ring_bytes", [(2, None), (3, None), (2, "65536")])
-def test_calls_up_to_half_a_ring_are_exact_as_they_wrap_around_it(store_addr, n, ring_bytes):
-    env = {"GPUCOLL_TRANSPORT": "shm"}
+def test_calls_up_to_half_a_ring_are_exact_as_they_wrap_around_it(store_addr, n, ring_bytes,
+                                                                  native):
+    env = {"GPUCOLL_TRANSPORT": "shm", "GPUCOLL_NATIVE": native}
     if ring_bytes:
         env["GPUCOLL_SHM_RING_BYTES"] = ring_bytes
     assert spawn(_half_ring_calls, n, store_addr, ring_bytes, timeout=90, env=env) == [[]] * n

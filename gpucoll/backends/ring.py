@@ -373,8 +373,14 @@ class RingBackend(GroupedRing, Backend):
             self.run_sync(_nothing)  # after the asynchronous calls issued before it
         if self.size == 1 and self._error is None:  # nothing to exchange (x / 1 is x)
             return
-        self._all_reduce(x, op, algos.frame(_ALL_REDUCE, seq, x.dtype, x.size, -1, op), timeout,
-                         _CallName("all_reduce", _ALL_REDUCE, seq))
+        hdr = algos.frame(_ALL_REDUCE, seq, x.dtype, x.size, -1, op)
+        sent = False
+        if self._engine.native is not None:
+            sent = self._native_all_reduce(x, op, hdr)
+            if sent is True:
+                return
+        self._all_reduce(x, op, hdr, timeout, _CallName("all_reduce", _ALL_REDUCE, seq),
+                         sent is None)
 
     def host_broadcast(self, x: np.ndarray, root: int, seq: int, timeout: float) -> None:
         """broadcast of the flat host array ``x`` as collective ``seq``."""
@@ -385,13 +391,32 @@ class RingBackend(GroupedRing, Backend):
         self._broadcast(x, root, algos.frame(_BROADCAST, seq, x.dtype, x.size, root), timeout,
                         _CallName("broadcast", _BROADCAST, seq))
 
+    def _native_all_reduce(self, x: np.ndarray, op: ReduceOp, hdr: bytes) -> bool | None:
+        """The small path in one compiled call (put, a short wait, the fold in rank order,
+        release) when nothing else is in flight: True when the call is done; None when this
+        rank's messages went out but not all the peers' have come (the small path waits for
+        them); False when nothing was sent."""
+        code = algos.NATIVE_FOLD.get((op, x.dtype))
+        if code is None or not 0 < x.nbytes <= self._small_bytes or not self._idle_engine() \
+                or not self._lock.acquire(False):
+            return False
+        try:
+            engine, links = self._engine, self._peer_links
+            done = engine.native.swap(links, links, x, hdr, (self.rank, code), *engine.native_wait)
+        finally:
+            self._lock.release()
+        if done and op is _AVG:
+            finish_avg(x, self.size)
+        return done
+
     def _all_reduce(self, x: np.ndarray, op: ReduceOp, hdr: bytes, timeout: float,
-                    name: _CallName) -> None:
-        """Small messages between ranks on shared memory take a tight path of their own."""
-        if 0 < x.nbytes <= self._small_bytes and self._idle_engine():
+                    name: _CallName, sent: bool = False) -> None:
+        """Small messages between ranks on shared memory take a tight path of their own (which
+        ``sent`` says has already put this rank's messages out)."""
+        if sent or 0 < x.nbytes <= self._small_bytes and self._idle_engine():
             deadline = time.monotonic() + timeout
             self._drive_locked(deadline, name,
-                               lambda: self._small_all_reduce(x, op, hdr, deadline, name))
+                               lambda: self._small_all_reduce(x, op, hdr, deadline, name, sent))
             return
         self._reducing("all_reduce", timeout, hdr, algos.all_reduce, x, host_ufunc(op),
                        self._finish(op, self.size))
@@ -413,11 +438,18 @@ class RingBackend(GroupedRing, Backend):
                     or self._state.failure is not None or self._closed)
 
     def _small_all_reduce(self, x: np.ndarray, op: ReduceOp, hdr: bytes, deadline: float,
-                          name: _CallName) -> None:
+                          name: _CallName, sent: bool = False) -> None:
         """Every rank puts ``x`` in every peer's ring and folds what it finds in its own, in
         rank order, reading the peers' values where they lie."""
         links = self._peer_links
-        found = self._engine.swap_small(links, links, _bytes(x), hdr, deadline, name)
+        engine = self._engine
+        code = algos.NATIVE_FOLD.get((op, x.dtype)) if engine.native is not None else None
+        found = engine.swap_small(links, links, _bytes(x), hdr, deadline, name,
+                                  None if code is None else (self.rank, code), sent)
+        if found is True:  # folded and released by the compiled exchange
+            if op is _AVG:
+                finish_avg(x, self.size)
+            return
         token = fp_quiet()
         try:
             dtype, count = x.dtype, x.size

@@ -219,6 +219,27 @@ def _all_reduce_direct(s: Step, x: np.ndarray, ufunc) -> None:
     fold_in_rank_order(s.rank, x, bufs, ufunc)
 
 
+def _native_fold_codes() -> dict:
+    """(op, dtype) -> the code of the same left fold in the compiled exchange
+    (gpucoll/transport/_shmfast.c: op * 16 + type). Integers take every op; floats only sum
+    and product, whose IEEE results cannot differ from NumPy's (min and max keep NumPy's NaN
+    rules); float16, bfloat16 and bool stay with NumPy."""
+    ops = [ReduceOp.SUM, ReduceOp.PROD, ReduceOp.MIN, ReduceOp.MAX, ReduceOp.BAND,
+           ReduceOp.BOR, ReduceOp.BXOR]
+    types = ["i1", "u1", "i2", "u2", "i4", "u4", "i8", "u8", "f4", "f8"]
+    codes = {}
+    for t, name in enumerate(types):
+        for o, op in enumerate(ops):
+            if name[0] != "f" or op in (ReduceOp.SUM, ReduceOp.PROD):
+                codes[(op, np.dtype(name))] = o * 16 + t
+                if op is ReduceOp.SUM:
+                    codes[(ReduceOp.AVG, np.dtype(name))] = o * 16 + t  # a sum, then divided
+    return codes
+
+
+NATIVE_FOLD = _native_fold_codes()
+
+
 def fold_in_rank_order(rank: int, x: np.ndarray, bufs: dict, ufunc) -> None:
     """x := v0 op v1 op ... op v(n-1), left to right, where v(rank) is x itself (``bufs`` may be
     overwritten)."""

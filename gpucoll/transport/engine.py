@@ -21,12 +21,14 @@ import numpy as np
 
 from gpucoll.errors import CollectiveMismatch, CollectiveTimeout, GpucollError, PeerFailure
 from gpucoll.progress import Waiting
+from gpucoll.transport.shm import native
 
 SPIN_S = 50e-6  # busy polling before yielding: peers on other cores answer within this
 YIELD_S = 25e-6  # then sched_yield, only when processes outnumber cores
 LOAD_CHECK_S = 0.1  # how often to look at the machine's load
 CORES = len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else os.cpu_count() or 1
 NAP_MS = 2  # longest sleep between re-checks (covers a doorbell raced past)
+NATIVE_YIELD_S = 1e-3  # how long the compiled small exchange yields, when cores are short
 ROOT_CAUSE_S = 2.0  # how long a broken link waits for the monitor to learn why
 
 
@@ -270,6 +272,7 @@ class Engine:
         self.describe = describe
         self.oversubscribed = oversubscribed  # this job alone has more ranks than cores
         self._load_checked = 0.0
+        self.native = native()
         self._set_policy(oversubscribed)
         self.poller = select.poll()
         self.poller.register(bell, select.POLLIN)
@@ -287,6 +290,8 @@ class Engine:
         job's ranks crowding the cores, yielding for 1 ms instead measured no faster.)"""
         self.spin_s = 5e-6 if crowded else SPIN_S
         self.yield_s = self.spin_s + YIELD_S if crowded else 0.0
+        # the compiled exchange's wait before the loop below takes over: spin, yield (ns)
+        self.native_wait = (0, int(NATIVE_YIELD_S * 1e9)) if crowded else (int(SPIN_S * 1e9), 0)
 
     def _watch_load(self, now: float) -> None:
         """Every LOAD_CHECK_S, see whether other processes crowd the cores."""
@@ -390,22 +395,33 @@ class Engine:
 
     # -- small messages on shared memory --------------------------------------------------
     def swap_small(self, send_to: Sequence, recv_from: Sequence, mv: memoryview, hdr: bytes,
-                   deadline: float, opname: str) -> list[int]:
+                   deadline: float, opname: str, fold: tuple[int, int] | None = None,
+                   sent: bool = False) -> list[int] | bool:
         """Put ``hdr`` + ``mv`` whole on the shared-memory links ``send_to`` and wait for a
         message of the same size and header on each of ``recv_from``; returns where each one's
         payload starts in its link's receive ring (``link.rx.typed`` reads it in place), valid
         until ``link.release``. The caller knows that nothing else is posted and that every
         message fits a ring whole: the tight loop of the latency-bound calls, without the
-        general engine's bookkeeping."""
+        general engine's bookkeeping. With ``fold`` = (rank, code) the compiled exchange may
+        also fold the values into ``mv`` in rank order and release the messages: True then.
+        ``sent``: the messages to ``send_to`` are out already (a compiled try put them)."""
         state = self.state
         nbytes = len(mv) + FRAME_BYTES
-        for link in send_to:
-            if link.peer in state.closed_peers or link.peer in state.ended:
-                raise self._gone_peer(link.peer, True, nbytes, opname)
+        if state.closed_peers or state.ended:
+            for link in send_to:
+                if link.peer in state.closed_peers or link.peer in state.ended:
+                    raise self._gone_peer(link.peer, True, nbytes, opname)
+        unsent, waiting = [] if sent else list(send_to), list(recv_from)
+        if self.native is not None:
+            fast = self.native.swap(unsent, recv_from, mv, hdr, fold, *self.native_wait)
+            if fast is None:  # sent; wait below for what has not arrived (or reads wrong)
+                unsent = []
+            elif fast is not False:  # False: a ring was full, nothing was sent
+                return fast
+        for link in unsent:
             link.begin(True, nbytes)
         for link in recv_from:
-            link.begin(False, nbytes)
-        unsent, waiting = list(send_to), list(recv_from)
+            link.begin(False, nbytes)  # (again, if the compiled exchange began: a no-op)
         found = [-1] * len(waiting)
         polls = 16 if self.yield_s else 256  # a tight spin on shared cores starves the peer
         idle_since = 0.0

@@ -31,6 +31,11 @@ import platform
 
 import numpy as np
 
+try:  # the small-message exchange compiled (pip builds it where a C compiler is found)
+    from gpucoll.transport import _shmfast
+except ImportError:
+    _shmfast = None
+
 FRAME_MAGIC = b"GCf1"  # how a message's frame header starts (gpucoll.backends.ring_algos)
 HEADER = 256
 HEAD, TX_SLEEP, TAIL, RX_SLEEP = 0, 1, 16, 17  # int64 slots of the header
@@ -48,6 +53,12 @@ def ordered_cpu(machine: str | None = None) -> bool:
     if machine is None:
         machine = os.environ.get("GPUCOLL_CPU_MACHINE") or platform.machine()
     return machine.lower() in TSO_MACHINES
+
+
+def native() -> object | None:
+    """The compiled small-message exchange (``_shmfast``), or None where it was not built or
+    GPUCOLL_NATIVE=0 turns it off (the same protocol then runs in Python)."""
+    return _shmfast if os.environ.get("GPUCOLL_NATIVE", "1") != "0" else None
 
 
 def _align16(n: int) -> int:
@@ -117,6 +128,9 @@ class ShmLink:
         self._pos = 0  # bytes this side consumed from rx
         # both rings of a pair have the same size, so both ends agree on this limit
         self.whole = min(WHOLE, tx.cap // 2, rx.cap // 2)
+        fast = native()
+        # raw views of both rings for the compiled exchange; they keep the mappings alive
+        self.native = fast.Link(tx._mm, rx._mm) if fast is not None else None
 
     def _ring_peer(self) -> None:
         try:
@@ -296,6 +310,7 @@ class ShmLink:
             self.rx.ctl[RX_SLEEP] = value
 
     def close(self) -> None:
+        self.native = None
         self.tx.close()
         self.rx.close()
         if self.bell >= 0:
