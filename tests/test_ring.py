@@ -375,3 +375,35 @@ def test_calls_up_to_half_a_ring_are_exact_as_they_wrap_around_it(store_addr, n,
     if ring_bytes:
         env["GPUCOLL_SHM_RING_BYTES"] = ring_bytes
     assert spawn(_half_ring_calls, n, store_addr, ring_bytes, timeout=90, env=env) == [[]] * n
+
+
+def _paths_meet(rank, n, addr, coll):
+    """Rank 1 takes the general path (as when its engine is busy), the others the small path:
+    blocks of 200,000 bytes go in one round either way, in the same messages."""
+    import gpucoll
+
+    k = 50_000  # float32 elements per block
+    with gpucoll.init("ring", rank=rank, world_size=n, store=addr, timeout=30) as comm:
+        if rank == 1:
+            comm._lean_backend._small_bytes = 0
+        mine = [data(rank, k, np.dtype("float32"), salt=j) for j in range(n)]
+        if coll == "all_gather":
+            got = comm.all_gather(mine[0], tiled=True)
+            want = np.concatenate([data(r, k, np.dtype("float32"), salt=0) for r in range(n)])
+        elif coll == "reduce_scatter":
+            got = comm.reduce_scatter(np.concatenate(mine), tiled=True)
+            want = sum(data(r, k, np.dtype("float32"), salt=rank) for r in range(n))
+        elif coll == "all_to_all":
+            got = comm.all_to_all(np.concatenate(mine), tiled=True)
+            want = np.concatenate([data(r, k, np.dtype("float32"), salt=rank) for r in range(n)])
+        else:
+            got = mine[0].copy()
+            comm.all_reduce(got)
+            want = sum(data(r, k, np.dtype("float32"), salt=0) for r in range(n))
+        return np.array_equal(got.reshape(-1), want)
+
+
+@pytest.mark.parametrize("coll", ["all_gather", "reduce_scatter", "all_to_all", "all_reduce"])
+def test_ranks_on_the_small_and_the_general_path_meet_in_one_call(store_addr, coll):
+    assert spawn(_paths_meet, 3, store_addr, coll, timeout=60,
+                 env={"GPUCOLL_TRANSPORT": "shm"}) == [True] * 3

@@ -189,6 +189,11 @@ def test_a_full_ring_sends_nothing_on_any_link(pair):
         np.frombuffer(x.tobytes(), x.dtype), h, (0, algos.NATIVE_FOLD[ReduceOp.SUM, x.dtype]),
         0, 0), ValueError),
     ("a missing argument", lambda x, h: (x, h, None, 0), TypeError),
+    ("a message over half the ring", lambda x, h: (np.zeros(CAP // 2), h, None, 0, 0),
+     ValueError),
+    ("payloads of two sizes", lambda x, h: ([x, x[:2]], h, None, 0, 0), ValueError),
+    ("one payload per link, and a fold", lambda x, h: (
+        [x], h, (0, algos.NATIVE_FOLD[ReduceOp.SUM, x.dtype]), 0, 0), ValueError),
 ])
 def test_bad_arguments_are_refused_before_anything_is_sent(pair, what, args, error):
     p = pair(0, [1])
@@ -197,6 +202,17 @@ def test_bad_arguments_are_refused_before_anything_is_sent(pair, what, args, err
     with pytest.raises(error):
         fast.swap(p.ours, p.ours, *args(x, hdr))
     assert p.ours[0].sent() == 0 and p.theirs[0].unread() == 0, what
+
+
+@needs_fast
+def test_each_link_can_carry_a_payload_of_its_own(pair):
+    p = pair(0, [1, 2])
+    blocks = [np.full(3, 7, np.int16), np.full(3, 9, np.int16)]
+    hdr = algos.frame(9, 0, np.dtype(np.int16), 9, -1)
+    for i in range(2):
+        p.peer_sends(i, hdr, np.zeros(3, np.int16))
+    assert fast.swap(p.ours, p.ours, blocks, hdr, None, 0, 0) == [32, 32]
+    assert [link.rx.typed(32, np.int16, 3).tolist() for link in p.theirs] == [[7] * 3, [9] * 3]
 
 
 @needs_fast

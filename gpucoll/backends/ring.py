@@ -339,8 +339,11 @@ class RingBackend(GroupedRing, Backend):
 
     def all_gather(self, x: ArrayRef, out: ArrayRef, *, timeout: float,
                    stream: Any = None) -> None:
-        self._call("all_gather", timeout, self._frame("all_gather", x.host), algos.all_gather,
-                   x.host, out.host)
+        x, out = x.host, out.host
+        hdr = self._frame("all_gather", x)
+        if not self._small(x.nbytes, "all_gather", timeout,
+                           lambda d, n: self._small_all_gather(x, out, hdr, d, n)):
+            self._call("all_gather", timeout, hdr, algos.all_gather, x, out)
 
     def gather(self, x: ArrayRef, out: ArrayRef | None, root: int, *, timeout: float,
                stream: Any = None) -> None:
@@ -354,14 +357,20 @@ class RingBackend(GroupedRing, Backend):
 
     def reduce_scatter(self, x: ArrayRef, out: ArrayRef, op: ReduceOp, *, timeout: float,
                        stream: Any = None) -> None:
-        self._reducing("reduce_scatter", timeout, self._frame("reduce_scatter", x.host, op=op),
-                       algos.reduce_scatter, x.host, out.host, host_ufunc(op),
-                       self._finish(op, self.size))
+        x, out = x.host, out.host
+        hdr = self._frame("reduce_scatter", x, op=op)
+        if not self._small(out.nbytes, "reduce_scatter", timeout,
+                           lambda d, n: self._small_reduce_scatter(x, out, op, hdr, d, n)):
+            self._reducing("reduce_scatter", timeout, hdr, algos.reduce_scatter, x, out,
+                           host_ufunc(op), self._finish(op, self.size))
 
     def all_to_all(self, x: ArrayRef, out: ArrayRef, *, timeout: float,
                    stream: Any = None) -> None:
-        self._call("all_to_all", timeout, self._frame("all_to_all", x.host), algos.all_to_all,
-                   x.host, out.host)
+        x, out = x.host, out.host
+        hdr = self._frame("all_to_all", x)
+        if not self._small(out.nbytes // self.size, "all_to_all", timeout,
+                           lambda d, n: self._small_all_to_all(x, out, hdr, d, n)):
+            self._call("all_to_all", timeout, hdr, algos.all_to_all, x, out)
 
     def barrier(self, *, timeout: float) -> None:
         self._call("barrier", timeout, self._frame("barrier", _TOKEN), algos.barrier)
@@ -462,6 +471,61 @@ class RingBackend(GroupedRing, Backend):
             fp_restore(token)
         for link in links:
             link.release(x.nbytes + algos.FRAME.size)
+
+    def _small(self, nbytes: int, kind: str, timeout: float, body: Callable) -> bool:
+        """Run ``body(deadline, name)``, a call whose messages of ``nbytes`` each go in one
+        round on shared memory, on the small path when it applies (the general path's direct
+        round sends the same messages); False when it does not."""
+        if not (0 < nbytes <= self._small_bytes and self._idle_engine()):
+            return False
+        name = self._name(kind)
+        deadline = time.monotonic() + timeout
+        self._drive_locked(deadline, name, lambda: body(deadline, name))
+        return True
+
+    def _small_all_gather(self, x: np.ndarray, out: np.ndarray, hdr: bytes, deadline: float,
+                          name: _CallName) -> None:
+        """Every rank puts ``x`` in every peer's ring, then copies each peer's block from its
+        own rings into ``out``."""
+        links, k = self._peer_links, x.size
+        found = self._engine.swap_small(links, links, _bytes(x), hdr, deadline, name)
+        np.copyto(out[self.rank * k:(self.rank + 1) * k], x)
+        for link, at in zip(links, found, strict=True):
+            np.copyto(out[link.peer * k:(link.peer + 1) * k], link.rx.typed(at, x.dtype, k))
+            link.release(x.nbytes + algos.FRAME.size)
+
+    def _small_all_to_all(self, x: np.ndarray, out: np.ndarray, hdr: bytes, deadline: float,
+                          name: _CallName) -> None:
+        """Block j of ``x`` goes to rank j's ring; block j of ``out`` is copied from rank j's."""
+        links, k = self._peer_links, x.size // self.size
+        found = self._engine.swap_small(
+            links, links, [_bytes(x[link.peer * k:(link.peer + 1) * k]) for link in links], hdr,
+            deadline, name)
+        np.copyto(out[self.rank * k:(self.rank + 1) * k], x[self.rank * k:(self.rank + 1) * k])
+        for link, at in zip(links, found, strict=True):
+            np.copyto(out[link.peer * k:(link.peer + 1) * k], link.rx.typed(at, x.dtype, k))
+            link.release(k * x.itemsize + algos.FRAME.size)
+
+    def _small_reduce_scatter(self, x: np.ndarray, out: np.ndarray, op: ReduceOp, hdr: bytes,
+                              deadline: float, name: _CallName) -> None:
+        """Block j of ``x`` goes to rank j's ring; ``out`` := this rank's blocks of every rank,
+        folded in rank order where they lie."""
+        links, k = self._peer_links, out.size
+        found = self._engine.swap_small(
+            links, links, [_bytes(x[link.peer * k:(link.peer + 1) * k]) for link in links], hdr,
+            deadline, name)
+        token = fp_quiet()
+        try:
+            np.copyto(out, x[self.rank * k:(self.rank + 1) * k])
+            algos.fold_in_rank_order(self.rank, out, {
+                link.peer: link.rx.typed(at, out.dtype, k)
+                for link, at in zip(links, found, strict=True)}, host_ufunc(op))
+            if op is _AVG:
+                finish_avg(out, self.size)
+        finally:
+            fp_restore(token)
+        for link in links:
+            link.release(out.nbytes + algos.FRAME.size)
 
     def _small_broadcast(self, x: np.ndarray, root: int, hdr: bytes, deadline: float,
                          name: _CallName) -> None:

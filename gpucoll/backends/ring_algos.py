@@ -405,7 +405,7 @@ def all_gather(s: Step, x: np.ndarray, out: np.ndarray) -> None:
     np.copyto(slots[rank], x)
     if n == 1 or k == 0:
         return
-    if use_direct(x.nbytes, n):
+    if use_direct(x.nbytes, n) or _direct_in_place(s, x.nbytes):
         peers = [j for j in range(n) if j != rank]
         s.run(*(s.send(j, x) for j in peers), *(s.recv(j, slots[j]) for j in peers))
         return
@@ -456,7 +456,7 @@ def reduce_scatter(s: Step, x: np.ndarray, out: np.ndarray, ufunc, finish) -> No
     xs = [x[i * k:(i + 1) * k] for i in range(n)]
     if n == 1 or k == 0:
         np.copyto(out, xs[rank])
-    elif use_direct(out.nbytes, n):
+    elif use_direct(out.nbytes, n) or _direct_in_place(s, out.nbytes):
         peers = [j for j in range(n) if j != rank]
         bufs = {j: np.empty_like(out) for j in peers}
         s.run(*(s.send(j, xs[j]) for j in peers), *(s.recv(j, bufs[j]) for j in peers))

@@ -32,6 +32,7 @@
 #define TAIL 16
 #define RX_SLEEP 17
 #define MAX_LINKS 256
+#define WHOLE (1 << 20) /* the largest message that never wraps (shm.py's WHOLE) */
 
 typedef struct {
     PyObject_HEAD
@@ -308,11 +309,36 @@ static Py_ssize_t await_all(Side *rx, Py_ssize_t nrx, int64_t n, int64_t spin_ns
     return left;
 }
 
+/* The payload: one buffer for every link (into which a fold writes), or a list of one per
+   link of send_to, all the same size (``payload`` then holds the first, for its size). */
+static int load_parts(PyObject *arg, int folding, Py_ssize_t ntx, Py_buffer *payload,
+                      Py_buffer *parts, Py_ssize_t *nparts) {
+    if (!PyList_Check(arg) && !PyTuple_Check(arg))
+        return PyObject_GetBuffer(arg, payload, folding ? PyBUF_WRITABLE : PyBUF_SIMPLE);
+    if (folding || PySequence_Fast_GET_SIZE(arg) != ntx || ntx == 0) {
+        PyErr_SetString(PyExc_ValueError, "a list of payloads has one per link to send to "
+                                          "(and no fold)");
+        return -1;
+    }
+    for (Py_ssize_t i = 0; i < ntx; i++) {
+        if (PyObject_GetBuffer(PySequence_Fast_GET_ITEM(arg, i), &parts[i], PyBUF_SIMPLE) < 0)
+            return -1;
+        *nparts = i + 1;
+        if (parts[i].len != parts[0].len) {
+            PyErr_SetString(PyExc_ValueError, "the payloads differ in size");
+            return -1;
+        }
+    }
+    payload->len = parts[0].len;
+    return 0;
+}
+
 /* swap(send_to, recv_from, payload, hdr, fold, spin_ns, yield_ns) */
 static PyObject *swap(PyObject *module, PyObject *const *args, Py_ssize_t nargs) {
     Side tx[MAX_LINKS], rx[MAX_LINKS];
     Py_ssize_t ntx = 0, nrx = 0;
-    Py_buffer payload = {0}, hdr = {0};
+    Py_buffer payload = {0}, hdr = {0}, parts[MAX_LINKS];
+    Py_ssize_t nparts = 0;
     PyObject *send_seq = NULL, *recv_seq = NULL, *result = NULL;
     long long spin_ns, yield_ns;
 
@@ -334,17 +360,17 @@ static PyObject *swap(PyObject *module, PyObject *const *args, Py_ssize_t nargs)
     send_seq = PySequence_Fast(args[0], "send_to must be a sequence");
     recv_seq = send_seq ? PySequence_Fast(args[1], "recv_from must be a sequence") : NULL;
     if (!recv_seq) goto out;
-    if (PyObject_GetBuffer(args[2], &payload, folding ? PyBUF_WRITABLE : PyBUF_SIMPLE) < 0)
-        goto out;
     if (PyObject_GetBuffer(args[3], &hdr, PyBUF_SIMPLE) < 0) goto out;
     if (load_sides(send_seq, tx, &ntx, 1) < 0 || load_sides(recv_seq, rx, &nrx, 0) < 0) goto out;
+    if (load_parts(args[2], folding, ntx, &payload, parts, &nparts) < 0) goto out;
     const int64_t n = (int64_t)(hdr.len + payload.len);
 
     /* begin: a message that would wrap starts at the ring's start instead (as shm.py) */
     for (Py_ssize_t i = 0; i < ntx; i++) {
         Link *l = tx[i].native;
-        if (2 * n > l->tx_cap) {
-            PyErr_SetString(PyExc_ValueError, "message larger than half a ring");
+        if (n > WHOLE || 2 * n > l->tx_cap) {
+            PyErr_SetString(PyExc_ValueError, "a message larger than a small one (shm.WHOLE, "
+                                              "half a ring)");
             goto out;
         }
         tx[i].pos = skip_wrap(tx[i].pos, n, l->tx_cap);
@@ -356,8 +382,9 @@ static PyObject *swap(PyObject *module, PyObject *const *args, Py_ssize_t nargs)
     }
     for (Py_ssize_t i = 0; i < nrx; i++) {
         Link *l = rx[i].native;
-        if (2 * n > l->rx_cap) {
-            PyErr_SetString(PyExc_ValueError, "message larger than half a ring");
+        if (n > WHOLE || 2 * n > l->rx_cap) {
+            PyErr_SetString(PyExc_ValueError, "a message larger than a small one (shm.WHOLE, "
+                                              "half a ring)");
             goto out;
         }
         int64_t p = skip_wrap(rx[i].pos, n, l->rx_cap);
@@ -371,7 +398,7 @@ static PyObject *swap(PyObject *module, PyObject *const *args, Py_ssize_t nargs)
         Link *l = tx[i].native;
         char *at = l->tx_data + tx[i].pos % l->tx_cap;
         memcpy(at, hdr.buf, hdr.len);
-        memcpy(at + hdr.len, payload.buf, payload.len);
+        memcpy(at + hdr.len, nparts ? parts[i].buf : payload.buf, payload.len);
         __atomic_store_n(&l->tx_ctl[HEAD], tx[i].pos + n, __ATOMIC_RELEASE);
         tx[i].pos = align16(tx[i].pos + n);
         if (set_pos(&tx[i], 1) < 0) goto out;
@@ -413,6 +440,7 @@ out:
     release_sides(tx, ntx);
     release_sides(rx, nrx);
     if (payload.obj) PyBuffer_Release(&payload);
+    for (Py_ssize_t i = 0; i < nparts; i++) PyBuffer_Release(&parts[i]);
     if (hdr.obj) PyBuffer_Release(&hdr);
     Py_XDECREF(send_seq);
     Py_XDECREF(recv_seq);
@@ -422,7 +450,8 @@ out:
 static PyMethodDef methods[] = {
     {"swap", (PyCFunction)(void (*)(void))swap, METH_FASTCALL,
      PyDoc_STR("swap(send_to, recv_from, payload, hdr, fold, spin_ns, yield_ns)\n\n"
-               "Put hdr + payload whole on every link of send_to, then wait (spinning for "
+               "Put hdr + payload whole on every link of send_to (payload: one buffer, or a "
+               "list of one per link, all the same size), then wait (spinning for "
                "spin_ns, then yielding the core for yield_ns) for a message of the same size "
                "on every link of recv_from. Returns the payload offsets in "
                "the receive rings when all arrived with this header; None when sent but not "

@@ -394,10 +394,11 @@ class Engine:
         return True
 
     # -- small messages on shared memory --------------------------------------------------
-    def swap_small(self, send_to: Sequence, recv_from: Sequence, mv: memoryview, hdr: bytes,
-                   deadline: float, opname: str, fold: tuple[int, int] | None = None,
+    def swap_small(self, send_to: Sequence, recv_from: Sequence, mv: memoryview | list,
+                   hdr: bytes, deadline: float, opname: str, fold: tuple[int, int] | None = None,
                    sent: bool = False) -> list[int] | bool:
-        """Put ``hdr`` + ``mv`` whole on the shared-memory links ``send_to`` and wait for a
+        """Put ``hdr`` + ``mv`` whole on the shared-memory links ``send_to`` (``mv``: one payload
+        for all, or a list of one per link, all the same size) and wait for a
         message of the same size and header on each of ``recv_from``; returns where each one's
         payload starts in its link's receive ring (``link.rx.typed`` reads it in place), valid
         until ``link.release``. The caller knows that nothing else is posted and that every
@@ -406,14 +407,17 @@ class Engine:
         also fold the values into ``mv`` in rank order and release the messages: True then.
         ``sent``: the messages to ``send_to`` are out already (a compiled try put them)."""
         state = self.state
-        nbytes = len(mv) + FRAME_BYTES
+        parts = dict(zip(send_to, mv, strict=True)) if isinstance(mv, list) else None
+        one = mv[0] if parts else mv  # every message's payload, or the first (its size)
+        nbytes = len(one) + FRAME_BYTES
         if state.closed_peers or state.ended:
             for link in send_to:
                 if link.peer in state.closed_peers or link.peer in state.ended:
                     raise self._gone_peer(link.peer, True, nbytes, opname)
         unsent, waiting = [] if sent else list(send_to), list(recv_from)
         if self.native is not None:
-            fast = self.native.swap(unsent, recv_from, mv, hdr, fold, *self.native_wait)
+            fast = self.native.swap(unsent, recv_from, mv if unsent else one, hdr, fold,
+                                    *self.native_wait)
             if fast is None:  # sent; wait below for what has not arrived (or reads wrong)
                 unsent = []
             elif fast is not False:  # False: a ring was full, nothing was sent
@@ -427,7 +431,7 @@ class Engine:
         idle_since = 0.0
         while True:
             for link in tuple(unsent):
-                if link.put(hdr, mv):
+                if link.put(hdr, parts[link] if parts else mv):
                     unsent.remove(link)
                     idle_since = 0.0
             for i, link in enumerate(recv_from):
