@@ -383,13 +383,11 @@ class RingBackend(GroupedRing, Backend):
         if self.size == 1 and self._error is None:  # nothing to exchange (x / 1 is x)
             return
         hdr = algos.frame(_ALL_REDUCE, seq, x.dtype, x.size, -1, op)
-        sent = False
-        if self._engine.native is not None:
-            sent = self._native_all_reduce(x, op, hdr)
-            if sent is True:
-                return
+        done = self._native_all_reduce(x, op, hdr) if self._engine.native is not None else False
+        if done is True:
+            return
         self._all_reduce(x, op, hdr, timeout, _CallName("all_reduce", _ALL_REDUCE, seq),
-                         sent is None)
+                         done is None)
 
     def host_broadcast(self, x: np.ndarray, root: int, seq: int, timeout: float) -> None:
         """broadcast of the flat host array ``x`` as collective ``seq``."""
@@ -487,36 +485,33 @@ class RingBackend(GroupedRing, Backend):
                           name: _CallName) -> None:
         """Every rank puts ``x`` in every peer's ring, then copies each peer's block from its
         own rings into ``out``."""
-        links, k = self._peer_links, x.size
+        links = self._peer_links
         found = self._engine.swap_small(links, links, _bytes(x), hdr, deadline, name)
-        np.copyto(out[self.rank * k:(self.rank + 1) * k], x)
-        for link, at in zip(links, found, strict=True):
-            np.copyto(out[link.peer * k:(link.peer + 1) * k], link.rx.typed(at, x.dtype, k))
-            link.release(x.nbytes + algos.FRAME.size)
+        outs = algos.blocks(out, x.size, self.size)
+        outs[self.rank][:] = x
+        _copy_out(links, found, outs)
 
     def _small_all_to_all(self, x: np.ndarray, out: np.ndarray, hdr: bytes, deadline: float,
                           name: _CallName) -> None:
         """Block j of ``x`` goes to rank j's ring; block j of ``out`` is copied from rank j's."""
         links, k = self._peer_links, x.size // self.size
-        found = self._engine.swap_small(
-            links, links, [_bytes(x[link.peer * k:(link.peer + 1) * k]) for link in links], hdr,
-            deadline, name)
-        np.copyto(out[self.rank * k:(self.rank + 1) * k], x[self.rank * k:(self.rank + 1) * k])
-        for link, at in zip(links, found, strict=True):
-            np.copyto(out[link.peer * k:(link.peer + 1) * k], link.rx.typed(at, x.dtype, k))
-            link.release(k * x.itemsize + algos.FRAME.size)
+        xs, outs = algos.blocks(x, k, self.size), algos.blocks(out, k, self.size)
+        found = self._engine.swap_small(links, links, [_bytes(xs[link.peer]) for link in links],
+                                        hdr, deadline, name)
+        outs[self.rank][:] = xs[self.rank]
+        _copy_out(links, found, outs)
 
     def _small_reduce_scatter(self, x: np.ndarray, out: np.ndarray, op: ReduceOp, hdr: bytes,
                               deadline: float, name: _CallName) -> None:
         """Block j of ``x`` goes to rank j's ring; ``out`` := this rank's blocks of every rank,
         folded in rank order where they lie."""
         links, k = self._peer_links, out.size
-        found = self._engine.swap_small(
-            links, links, [_bytes(x[link.peer * k:(link.peer + 1) * k]) for link in links], hdr,
-            deadline, name)
+        xs = algos.blocks(x, k, self.size)
+        found = self._engine.swap_small(links, links, [_bytes(xs[link.peer]) for link in links],
+                                        hdr, deadline, name)
         token = fp_quiet()
         try:
-            np.copyto(out, x[self.rank * k:(self.rank + 1) * k])
+            np.copyto(out, xs[self.rank])
             algos.fold_in_rank_order(self.rank, out, {
                 link.peer: link.rx.typed(at, out.dtype, k)
                 for link, at in zip(links, found, strict=True)}, host_ufunc(op))
@@ -884,6 +879,15 @@ def _bytes(x: np.ndarray) -> memoryview:
         return memoryview(x).cast("B")
     except (TypeError, ValueError):
         return memoryview(x.view(np.uint8))
+
+
+def _copy_out(links, found: list[int], outs: list[np.ndarray]) -> None:
+    """Copy each link's message (at ``found``, from ``swap_small``) into its peer's block of
+    ``outs`` and release it."""
+    for link, at in zip(links, found, strict=True):
+        out = outs[link.peer]
+        np.copyto(out, link.rx.typed(at, out.dtype, out.size))
+        link.release(out.nbytes + algos.FRAME.size)
 
 
 def _nothing() -> None:

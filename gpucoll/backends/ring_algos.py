@@ -157,6 +157,11 @@ class Step:
             self.engine.links[j].release(nbytes + FRAME_BYTES)
 
 
+def blocks(x: np.ndarray, k: int, n: int) -> list[np.ndarray]:
+    """The ``n`` consecutive blocks of ``k`` elements of the flat array ``x`` (views)."""
+    return [x[i * k:(i + 1) * k] for i in range(n)]
+
+
 def bounds(count: int, parts: int) -> list[tuple[int, int]]:
     """Split ``count`` elements into ``parts`` nearly equal [start, stop) ranges."""
     base, extra = divmod(count, parts)
@@ -401,7 +406,7 @@ def _reduce_chain(s: Step, x: np.ndarray, root: int, ufunc) -> None:
 # -- gathering and scattering ---------------------------------------------------------------
 def all_gather(s: Step, x: np.ndarray, out: np.ndarray) -> None:
     n, rank, k = s.size, s.rank, x.size
-    slots = [out[i * k:(i + 1) * k] for i in range(n)]
+    slots = blocks(out, k, n)
     np.copyto(slots[rank], x)
     if n == 1 or k == 0:
         return
@@ -425,7 +430,7 @@ def gather(s: Step, x: np.ndarray, out: np.ndarray | None, root: int) -> None:
     if rank != root:
         s.run(s.send(root, x))
         return
-    slots = [out[i * k:(i + 1) * k] for i in range(n)]
+    slots = blocks(out, k, n)
     np.copyto(slots[rank], x)
     s.run(*(s.recv(j, slots[j]) for j in range(n) if j != root))
 
@@ -435,7 +440,7 @@ def scatter(s: Step, x: np.ndarray | None, out: np.ndarray, root: int) -> None:
     if rank != root:
         s.run(s.recv(root, out))
         return
-    slots = [x[i * k:(i + 1) * k] for i in range(n)]
+    slots = blocks(x, k, n)
     np.copyto(out, slots[rank])
     s.run(*(s.send(j, slots[j]) for j in range(n) if j != root))
 
@@ -443,8 +448,8 @@ def scatter(s: Step, x: np.ndarray | None, out: np.ndarray, root: int) -> None:
 def all_to_all(s: Step, x: np.ndarray, out: np.ndarray) -> None:
     n, rank = s.size, s.rank
     k = x.size // n
-    xs = [x[i * k:(i + 1) * k] for i in range(n)]
-    outs = [out[i * k:(i + 1) * k] for i in range(n)]
+    xs = blocks(x, k, n)
+    outs = blocks(out, k, n)
     np.copyto(outs[rank], xs[rank])
     peers = [j for j in range(n) if j != rank]
     s.run(*(s.send(j, xs[j]) for j in peers), *(s.recv(j, outs[j]) for j in peers))
@@ -453,7 +458,7 @@ def all_to_all(s: Step, x: np.ndarray, out: np.ndarray) -> None:
 def reduce_scatter(s: Step, x: np.ndarray, out: np.ndarray, ufunc, finish) -> None:
     """``out`` := slot ``rank`` of ``x`` reduced over ranks; ``x`` stays unchanged."""
     n, rank, k = s.size, s.rank, out.size
-    xs = [x[i * k:(i + 1) * k] for i in range(n)]
+    xs = blocks(x, k, n)
     if n == 1 or k == 0:
         np.copyto(out, xs[rank])
     elif use_direct(out.nbytes, n) or _direct_in_place(s, out.nbytes):

@@ -21,6 +21,9 @@ other loads. Weakly ordered CPUs (Arm, POWER, RISC-V) need a release barrier bet
 the store and an acquire barrier after the load, and Python has no way to issue one; so
 ``ordered_cpu()`` says False there and the mesh joins ranks on such hosts with Unix-domain socket
 pairs instead, where the kernel's own locking orders the bytes (``gpucoll.transport.mesh``).
+
+The small messages' exchange also exists compiled (``_shmfast.c``, built by pip where a C
+compiler is found): the same protocol, byte for byte, with explicit acquire/release atomics.
 """
 
 from __future__ import annotations
