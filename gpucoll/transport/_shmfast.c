@@ -1,5 +1,6 @@
 /* The small-message exchange of the shared-memory rings, compiled: put one whole message on
- * each of some links and wait, spinning, for one on each of others.
+ * each of some links, wait (spinning, or yielding the core) for one on each of others, and for
+ * an all_reduce fold them in rank order where they lie.
  *
  * It speaks exactly the ring protocol of gpucoll/transport/shm.py (same counters, the same
  * skip-to-the-ring's-start rule, messages 16-byte aligned), so a rank using it and a rank on
