@@ -274,6 +274,40 @@ def test_ranks_with_and_without_the_compiled_exchange_agree_bit_for_bit(store_ad
     assert all(r == results[0] for r in results)
 
 
+def _late_peer(rank, n, addr):
+    import time
+
+    import gpucoll
+    from gpucoll.backends.ring import RingBackend
+
+    partial = []
+    compiled = RingBackend._native_all_reduce
+
+    def counted(self, *args):
+        done = compiled(self, *args)
+        partial.append(done is None)
+        return done
+
+    RingBackend._native_all_reduce = counted
+    wrong = 0
+    with gpucoll.init("ring", rank=rank, world_size=n, store=addr, timeout=30) as comm:
+        for i in range(150):
+            if rank == 1 and i % 3 == 0:
+                time.sleep(0.002)  # far past the compiled exchange's 50 us wait
+            x = np.full(5, rank + i, np.int64)
+            comm.all_reduce(x)
+            wrong += int((x != 2 * i + 1).any())
+    return wrong, sum(partial)
+
+
+@needs_fast
+def test_a_peer_later_than_the_compiled_wait_is_waited_for_without_sending_twice(store_addr):
+    (wrong0, partial0), (wrong1, _) = spawn(_late_peer, 2, store_addr, timeout=60,
+                                            env={"GPUCOLL_TRANSPORT": "shm"})
+    assert wrong0 == wrong1 == 0
+    assert partial0 >= 40  # rank 0's compiled call gave up waiting on rank 1's late calls
+
+
 def _dead_peer(rank, n, addr):
     import gpucoll
 
