@@ -28,7 +28,7 @@ CAP = 64 << 10
 
 
 def test_the_compiled_exchange_is_built_where_a_compiler_is():
-    if not (shutil.which(sysconfig.get_config_var("CC").split()[0] or "cc")
+    if not (shutil.which((sysconfig.get_config_var("CC") or "cc").split()[0])
             and os.path.exists(sysconfig.get_paths()["include"] + "/Python.h")):
         pytest.skip("no C compiler or Python headers: pip installs the pure-Python path alone")
     assert fast is not None, "pip should have built gpucoll/transport/_shmfast.c"
