@@ -383,7 +383,7 @@ class RingBackend(GroupedRing, Backend):
         if self.size == 1 and self._error is None:  # nothing to exchange (x / 1 is x)
             return
         hdr = algos.frame(_ALL_REDUCE, seq, x.dtype, x.size, -1, op)
-        done = self._native_all_reduce(x, op, hdr) if self._engine.native is not None else False
+        done = self._native_all_reduce(x, op, hdr)
         if done is True:
             return
         self._all_reduce(x, op, hdr, timeout, _CallName("all_reduce", _ALL_REDUCE, seq),
@@ -403,13 +403,13 @@ class RingBackend(GroupedRing, Backend):
         release) when nothing else is in flight: True when the call is done; None when this
         rank's messages went out but not all the peers' have come (the small path waits for
         them); False when nothing was sent."""
-        code = algos.NATIVE_FOLD.get((op, x.dtype))
-        if code is None or not 0 < x.nbytes <= self._small_bytes or not self._idle_engine() \
+        fold = self._native_fold(op, x.dtype)
+        if fold is None or not 0 < x.nbytes <= self._small_bytes or not self._idle_engine() \
                 or not self._lock.acquire(False):
             return False
         try:
             engine, links = self._engine, self._peer_links
-            done = engine.native.swap(links, links, x, hdr, (self.rank, code), *engine.native_wait)
+            done = engine.native.swap(links, links, x, hdr, fold, *engine.native_wait)
         finally:
             self._lock.release()
         if done and op is _AVG:
@@ -437,6 +437,12 @@ class RingBackend(GroupedRing, Backend):
             return
         self._call("broadcast", timeout, hdr, algos.broadcast, x, root)
 
+    def _native_fold(self, op: ReduceOp, dtype: np.dtype) -> tuple[int, int] | None:
+        """(rank, code) for the compiled exchange to fold ``op`` on ``dtype``; None where it
+        is not built or has no fold for them (NumPy folds)."""
+        code = algos.NATIVE_FOLD.get((op, dtype)) if self._engine.native is not None else None
+        return None if code is None else (self.rank, code)
+
     def _idle_engine(self) -> bool:
         """Nothing else is posted, and the backend has not failed or closed (the general
         path reports those)."""
@@ -449,26 +455,28 @@ class RingBackend(GroupedRing, Backend):
         """Every rank puts ``x`` in every peer's ring and folds what it finds in its own, in
         rank order, reading the peers' values where they lie."""
         links = self._peer_links
-        engine = self._engine
-        code = algos.NATIVE_FOLD.get((op, x.dtype)) if engine.native is not None else None
-        found = engine.swap_small(links, links, _bytes(x), hdr, deadline, name,
-                                  None if code is None else (self.rank, code), sent)
+        found = self._engine.swap_small(links, links, _bytes(x), hdr, deadline, name,
+                                        self._native_fold(op, x.dtype), sent)
         if found is True:  # folded and released by the compiled exchange
             if op is _AVG:
                 finish_avg(x, self.size)
             return
+        self._fold_found(links, found, x, op)
+
+    def _fold_found(self, links, found: list[int], acc: np.ndarray, op: ReduceOp) -> None:
+        """``acc`` (this rank's value) := the fold in rank order of it and each link's message
+        (at ``found``, from ``swap_small``), averaged for avg; then release the messages."""
         token = fp_quiet()
         try:
-            dtype, count = x.dtype, x.size
-            algos.fold_in_rank_order(self.rank, x, {
-                link.peer: link.rx.typed(at, dtype, count)
+            algos.fold_in_rank_order(self.rank, acc, {
+                link.peer: link.rx.typed(at, acc.dtype, acc.size)
                 for link, at in zip(links, found, strict=True)}, host_ufunc(op))
             if op is _AVG:
-                finish_avg(x, self.size)
+                finish_avg(acc, self.size)
         finally:
             fp_restore(token)
         for link in links:
-            link.release(x.nbytes + algos.FRAME.size)
+            link.release(acc.nbytes + algos.FRAME.size)
 
     def _small(self, nbytes: int, kind: str, timeout: float, body: Callable) -> bool:
         """Run ``body(deadline, name)``, a call whose messages of ``nbytes`` each go in one
@@ -505,22 +513,12 @@ class RingBackend(GroupedRing, Backend):
                               deadline: float, name: _CallName) -> None:
         """Block j of ``x`` goes to rank j's ring; ``out`` := this rank's blocks of every rank,
         folded in rank order where they lie."""
-        links, k = self._peer_links, out.size
-        xs = algos.blocks(x, k, self.size)
+        links = self._peer_links
+        xs = algos.blocks(x, out.size, self.size)
         found = self._engine.swap_small(links, links, [_bytes(xs[link.peer]) for link in links],
                                         hdr, deadline, name)
-        token = fp_quiet()
-        try:
-            np.copyto(out, xs[self.rank])
-            algos.fold_in_rank_order(self.rank, out, {
-                link.peer: link.rx.typed(at, out.dtype, k)
-                for link, at in zip(links, found, strict=True)}, host_ufunc(op))
-            if op is _AVG:
-                finish_avg(out, self.size)
-        finally:
-            fp_restore(token)
-        for link in links:
-            link.release(out.nbytes + algos.FRAME.size)
+        np.copyto(out, xs[self.rank])
+        self._fold_found(links, found, out, op)
 
     def _small_broadcast(self, x: np.ndarray, root: int, hdr: bytes, deadline: float,
                          name: _CallName) -> None:

@@ -310,6 +310,14 @@ static Py_ssize_t await_all(Side *rx, Py_ssize_t nrx, int64_t n, int64_t spin_ns
     return left;
 }
 
+/* Whether a message of n bytes is a small one, which never wraps in a ring of cap bytes
+   (shm.py's rule); if not, a ValueError is set. */
+static int small_enough(int64_t n, int64_t cap) {
+    if (n <= WHOLE && 2 * n <= cap) return 1;
+    PyErr_SetString(PyExc_ValueError, "a message larger than a small one (shm.WHOLE, half a ring)");
+    return 0;
+}
+
 /* The payload: one buffer for every link (into which a fold writes), or a list of one per
    link of send_to, all the same size (``payload`` then holds the first, for its size). */
 static int load_parts(PyObject *arg, int folding, Py_ssize_t ntx, Py_buffer *payload,
@@ -369,11 +377,7 @@ static PyObject *swap(PyObject *module, PyObject *const *args, Py_ssize_t nargs)
     /* begin: a message that would wrap starts at the ring's start instead (as shm.py) */
     for (Py_ssize_t i = 0; i < ntx; i++) {
         Link *l = tx[i].native;
-        if (n > WHOLE || 2 * n > l->tx_cap) {
-            PyErr_SetString(PyExc_ValueError, "a message larger than a small one (shm.WHOLE, "
-                                              "half a ring)");
-            goto out;
-        }
+        if (!small_enough(n, l->tx_cap)) goto out;
         tx[i].pos = skip_wrap(tx[i].pos, n, l->tx_cap);
         if (l->tx_cap - (tx[i].pos - __atomic_load_n(&l->tx_ctl[TAIL], __ATOMIC_ACQUIRE)) < n) {
             result = Py_False; /* no room on every link: nothing is sent */
@@ -383,11 +387,7 @@ static PyObject *swap(PyObject *module, PyObject *const *args, Py_ssize_t nargs)
     }
     for (Py_ssize_t i = 0; i < nrx; i++) {
         Link *l = rx[i].native;
-        if (n > WHOLE || 2 * n > l->rx_cap) {
-            PyErr_SetString(PyExc_ValueError, "a message larger than a small one (shm.WHOLE, "
-                                              "half a ring)");
-            goto out;
-        }
+        if (!small_enough(n, l->rx_cap)) goto out;
         int64_t p = skip_wrap(rx[i].pos, n, l->rx_cap);
         if (p != rx[i].pos) {
             rx[i].pos = p;
@@ -409,7 +409,7 @@ static PyObject *swap(PyObject *module, PyObject *const *args, Py_ssize_t nargs)
         if (__atomic_load_n(&l->tx_ctl[RX_SLEEP], __ATOMIC_RELAXED)) ring_bell(tx[i].link);
     }
 
-    Py_ssize_t left = nrx;
+    Py_ssize_t left;
     Py_BEGIN_ALLOW_THREADS
     left = await_all(rx, nrx, n, spin_ns, yield_ns);
     Py_END_ALLOW_THREADS
