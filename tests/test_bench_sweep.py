@@ -49,6 +49,15 @@ def test_two_rank_targets_are_judged_from_the_measured_numbers():
     assert lines[4].endswith("worst 5.00x at 32 MiB, 1/1 sizes: met")
 
 
+def test_each_target_says_in_how_many_rounds_it_was_met():
+    rounds = [_doc(gpucoll=[_row(8, t, 0.0)], mpi=[_row(8, 1.0, 0.0)]) for t in (7.0, 9.0, 7.5)]
+    merged = sweep.median_doc(rounds)
+    line = sweep.check_targets(merged, 2, rounds)[0]
+    assert line == "all_reduce at 8 B: time <= 8x Open MPI's: worst 7.50x at 8 B, 1/1 sizes: " \
+                   "met (met in 2 of 3 rounds)"
+    assert sweep.check_targets(merged, 2, rounds[:1])[0].endswith("1/1 sizes: met")  # one round
+
+
 def test_four_ranks_must_never_be_slower_than_gloo():
     doc = _doc(gpucoll=[_row(8, 30.0, 0.0), _row(64, 500.0, 0.0)],
                gloo=[_row(8, 700.0, 0.0), _row(64, 400.0, 0.0)])
