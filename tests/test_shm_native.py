@@ -100,16 +100,17 @@ def numpy_fold(rank: int, x: np.ndarray, peers: dict, op: ReduceOp) -> np.ndarra
 
 
 @needs_fast
+@pytest.mark.parametrize("count", [33, 2 * 1024 + 33], ids=["one-block", "blocks"])
 @pytest.mark.parametrize("me,peers", [(0, [1]), (1, [0]), (2, [3, 0, 1])])
 @pytest.mark.parametrize("key", sorted(algos.NATIVE_FOLD, key=str), ids=str)
-def test_every_compiled_fold_matches_numpy_bit_for_bit(pair, me, peers, key):
+def test_every_compiled_fold_matches_numpy_bit_for_bit(pair, me, peers, key, count):
     op, dtype = key
     p = pair(me, peers)
-    hdr = algos.frame(1, 0, dtype, 33, -1, op)
-    values = {j: awkward_values(dtype, 33, seed=j) for j in peers}
+    hdr = algos.frame(1, 0, dtype, count, -1, op)
+    values = {j: awkward_values(dtype, count, seed=j) for j in peers}
     for i, j in enumerate(peers):
         p.peer_sends(i, hdr, values[j])
-    x = awkward_values(dtype, 33, seed=me)
+    x = awkward_values(dtype, count, seed=me)
     expected = numpy_fold(me, x, values, op)
     assert fast.swap(p.ours, p.ours, x, hdr, (me, algos.NATIVE_FOLD[key]), 0, 0) is True
     assert x.tobytes() == expected.tobytes()

@@ -97,17 +97,25 @@ enum { F_SUM, F_PROD, F_MIN, F_MAX, F_BAND, F_BOR, F_BXOR, F_OPS };
 enum { T_I8, T_U8, T_I16, T_U16, T_I32, T_U32, T_I64, T_U64, T_F32, T_F64, T_TYPES };
 
 /* out[i] = v0[i] op v1[i] op ... op v(n-1)[i], left to right: the order every rank uses, so
-   all ranks get the same bits. U is the unsigned twin used for wrapping integer arithmetic. */
+   all ranks get the same bits. U is the unsigned twin used for wrapping integer arithmetic.
+   A block at a time: every value's block is read before out's is written (out may be any of
+   them), and each pass is a plain loop over elements, which the compiler turns into vector
+   instructions (one loop over values per element measured 2-3x slower at 128 KiB). */
+#define FOLD_BLOCK 1024
 #define FOLD(T, U, EXPR)                                                                     \
     do {                                                                                     \
-        T *o = (T *)out;                                                                     \
-        for (Py_ssize_t i = 0; i < count; i++) {                                             \
-            T a = ((const T *)vals[0])[i];                                                   \
+        T acc[FOLD_BLOCK];                                                                   \
+        for (Py_ssize_t s = 0; s < count; s += FOLD_BLOCK) {                                 \
+            Py_ssize_t m = count - s < FOLD_BLOCK ? count - s : FOLD_BLOCK;                  \
+            memcpy(acc, (const T *)vals[0] + s, m * sizeof(T));                              \
             for (int k = 1; k < nvals; k++) {                                                \
-                T b = ((const T *)vals[k])[i];                                               \
-                a = (EXPR);                                                                  \
+                const T *v = (const T *)vals[k] + s;                                         \
+                for (Py_ssize_t i = 0; i < m; i++) {                                         \
+                    T a = acc[i], b = v[i];                                                  \
+                    acc[i] = (EXPR);                                                         \
+                }                                                                            \
             }                                                                                \
-            o[i] = a;                                                                        \
+            memcpy((T *)out + s, acc, m * sizeof(T));                                        \
         }                                                                                    \
     } while (0)
 
