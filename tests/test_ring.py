@@ -407,3 +407,52 @@ def _paths_meet(rank, n, addr, coll):
 def test_ranks_on_the_small_and_the_general_path_meet_in_one_call(store_addr, coll):
     assert spawn(_paths_meet, 3, store_addr, coll, timeout=60,
                  env={"GPUCOLL_TRANSPORT": "shm"}) == [True] * 3
+
+
+def test_an_all_reduce_goes_in_two_rounds_from_four_ranks_when_only_its_blocks_fit_one():
+    from gpucoll.backends.ring_algos import in_two_rounds
+
+    x = np.zeros(4 * 1000, np.float32)  # 16,000 bytes in blocks of 4,000
+    assert in_two_rounds(x, 4, 4000)
+    assert not in_two_rounds(x, 4, 3999)  # a block does not fit one round
+    assert not in_two_rounds(x, 4, 16000)  # the whole buffer does: one round
+    assert not in_two_rounds(x, 3, 8000)  # three ranks keep the ring (measured no faster)
+    assert not in_two_rounds(x[:-1], 4, 4000)  # blocks of unequal size keep the ring
+    assert not in_two_rounds(x, 4, -1)  # a link that is not shared memory
+
+
+def _two_rounds_meet(rank, n, addr):
+    """Rank 1 takes the general path, the others the small path, of all_reduces whose blocks
+    of 200,000 bytes go in one round each: a reduce-scatter round, then an all-gather round."""
+    import gpucoll
+    from gpucoll.backends import ring, ring_algos
+
+    taken = []
+    if rank == 1:
+        real = ring_algos.in_two_rounds
+        ring_algos.in_two_rounds = lambda *a: taken.append(real(*a)) or taken[-1]
+    else:
+        real = ring.RingBackend._small_two_rounds
+        ring.RingBackend._small_two_rounds = lambda *a: taken.append(True) or real(*a)
+    k = 50_000
+    with gpucoll.init("ring", rank=rank, world_size=n, store=addr, timeout=30) as comm:
+        if rank == 1:
+            comm._lean_backend._small_bytes = 0
+        exact = []
+        for dtype, op in (("float32", "sum"), ("int64", "max"), ("float64", "avg")):
+            got = np.concatenate([data(rank, k, np.dtype(dtype), salt=j) for j in range(n)])
+            comm.all_reduce(got, op=op)
+            vals = [np.concatenate([data(r, k, np.dtype(dtype), salt=j) for j in range(n)])
+                    for r in range(n)]
+            want = vals[0].copy()
+            for v in vals[1:]:  # rank order, as the reduce-scatter round folds
+                want = np.maximum(want, v) if op == "max" else want + v
+            if op == "avg":
+                want /= n
+            exact.append(got.tobytes() == want.tobytes())
+        return exact, any(taken)
+
+
+def test_ranks_on_the_small_and_the_general_path_meet_in_a_two_round_all_reduce(store_addr):
+    assert spawn(_two_rounds_meet, 4, store_addr, timeout=90,
+                 env={"GPUCOLL_TRANSPORT": "shm"}) == [([True] * 3, True)] * 4

@@ -425,6 +425,11 @@ class RingBackend(GroupedRing, Backend):
             self._drive_locked(deadline, name,
                                lambda: self._small_all_reduce(x, op, hdr, deadline, name, sent))
             return
+        if algos.in_two_rounds(x, self.size, self._small_bytes) and self._idle_engine():
+            deadline = time.monotonic() + timeout
+            self._drive_locked(deadline, name,
+                               lambda: self._small_two_rounds(x, op, hdr, deadline, name))
+            return
         self._reducing("all_reduce", timeout, hdr, algos.all_reduce, x, host_ufunc(op),
                        self._finish(op, self.size))
 
@@ -462,6 +467,15 @@ class RingBackend(GroupedRing, Backend):
                 finish_avg(x, self.size)
             return
         self._fold_found(links, found, x, op)
+
+    def _small_two_rounds(self, x: np.ndarray, op: ReduceOp, hdr: bytes, deadline: float,
+                          name: _CallName) -> None:
+        """all_reduce as a reduce-scatter round and an all-gather round of this rank's block
+        of ``x`` (the general path's ``algos.in_two_rounds`` schedule, the same messages)."""
+        mine = algos.blocks(x, x.size // self.size, self.size)[self.rank]
+        with np.errstate(over="ignore", invalid="ignore"):
+            self._small_reduce_scatter(x, mine, op, hdr, deadline, name)
+        self._small_all_gather(mine, x, hdr, deadline, name)
 
     def _fold_found(self, links, found: list[int], acc: np.ndarray, op: ReduceOp) -> None:
         """``acc`` (this rank's value) := the fold in rank order of it and each link's message
