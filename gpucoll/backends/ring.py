@@ -419,7 +419,8 @@ class RingBackend(GroupedRing, Backend):
     def _all_reduce(self, x: np.ndarray, op: ReduceOp, hdr: bytes, timeout: float,
                     name: _CallName, sent: bool = False) -> None:
         """Small messages between ranks on shared memory take a tight path of their own (which
-        ``sent`` says has already put this rank's messages out)."""
+        ``sent`` says has already put this rank's messages out), and so do the two rounds of an
+        all_reduce whose blocks are small (``algos.in_two_rounds``)."""
         if sent or 0 < x.nbytes <= self._small_bytes and self._idle_engine():
             deadline = time.monotonic() + timeout
             self._drive_locked(deadline, name,
@@ -473,8 +474,7 @@ class RingBackend(GroupedRing, Backend):
         """all_reduce as a reduce-scatter round and an all-gather round of this rank's block
         of ``x`` (the general path's ``algos.in_two_rounds`` schedule, the same messages)."""
         mine = algos.blocks(x, x.size // self.size, self.size)[self.rank]
-        with np.errstate(over="ignore", invalid="ignore"):
-            self._small_reduce_scatter(x, mine, op, hdr, deadline, name)
+        self._small_reduce_scatter(x, mine, op, hdr, deadline, name)  # (folds quietly)
         self._small_all_gather(mine, x, hdr, deadline, name)
 
     def _fold_found(self, links, found: list[int], acc: np.ndarray, op: ReduceOp) -> None:

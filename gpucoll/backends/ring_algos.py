@@ -218,13 +218,14 @@ def all_reduce(s: Step, x: np.ndarray, ufunc, finish: Callable | None) -> None:
         if finish is not None:
             finish(x)
         return
-    if use_direct(x.nbytes, s.size) or _direct_in_place(s, x.nbytes):
+    limit = _in_place_limit(s)
+    if use_direct(x.nbytes, s.size) or x.nbytes <= limit:
         _all_reduce_direct(s, x, ufunc)
         if finish is not None:
             finish(x)
     elif s.hosts is not None:
         _all_reduce_hierarchical(s, x, ufunc, finish)
-    elif in_two_rounds(x, s.size, _in_place_limit(s)):
+    elif in_two_rounds(x, s.size, limit):
         mine = blocks(x, x.size // s.size, s.size)[s.rank]
         reduce_scatter(s, x, mine, ufunc, finish)
         all_gather(s, mine, x)
