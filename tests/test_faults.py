@@ -196,10 +196,15 @@ def test_losing_the_store_that_rank_0_hosts_names_rank_0(store_addr, transport, 
         _check(o, PeerFailure, 0, "all_reduce on rank", "lost the store, which rank 0")
 
 
-def _killed_mid_all_reduce(rank, n, addr):
+# elements of an all_reduce that 4 ranks on shared memory make in two rounds, in float32 or
+# float64 (a block of 200,000 or 400,000 bytes fits one round; the whole buffer does not)
+TWO_ROUNDS = 200_000
+
+
+def _killed_mid_all_reduce(rank, n, addr, count=1 << 20):
     side = _side(addr)
     with _open(rank, n, addr) as comm:
-        x = np.ones(1 << 20, np.float32)
+        x = np.ones(count, np.float32)
         for i in range(100_000):
             if rank == 1 and i == 3:
                 _die(side)
@@ -213,6 +218,16 @@ def _killed_mid_all_reduce(rank, n, addr):
 @pytest.mark.parametrize("n", WORLDS)
 def test_a_rank_killed_mid_collective_is_named_by_every_survivor(store_addr, transport, n):
     outcomes = spawn(_killed_mid_all_reduce, n, store_addr, env=_env(transport), check=False)
+    assert outcomes[1].exitcode == -signal.SIGKILL
+    for o in outcomes[:1] + outcomes[2:]:
+        _check(o, PeerFailure, 1, "all_reduce #", "rank 1")
+
+
+@pytest.mark.parametrize("transport", ["shm", "shm-python"])
+def test_a_rank_killed_mid_a_two_round_all_reduce_is_named_by_every_survivor(store_addr,
+                                                                            transport):
+    outcomes = spawn(_killed_mid_all_reduce, 4, store_addr, TWO_ROUNDS, env=_env(transport),
+                     check=False)
     assert outcomes[1].exitcode == -signal.SIGKILL
     for o in outcomes[:1] + outcomes[2:]:
         _check(o, PeerFailure, 1, "all_reduce #", "rank 1")
@@ -544,6 +559,9 @@ CALLS = {
     # both read in place from the rings at 2 ranks; at 3 and 4 one side takes the general path
     "half-ring size": lambda comm, odd: comm.all_reduce(np.ones(200_000 if odd else 131_071,
                                                                 np.float32)),
+    # two rounds on both sides at 4 ranks, in blocks of other sizes
+    "two-round size": lambda comm, odd: comm.all_reduce(
+        np.ones(TWO_ROUNDS + 4 if odd else TWO_ROUNDS, np.float32)),
 }
 
 
@@ -582,9 +600,19 @@ def test_ranks_that_make_different_calls_all_raise_a_mismatch_naming_both(store_
         _check(o, CollectiveMismatch, None, "disagree")
 
 
+@pytest.mark.parametrize("transport", ["shm", "shm-python"])
+def test_ranks_that_disagree_on_a_two_round_all_reduce_all_raise_a_mismatch(store_addr,
+                                                                            transport):
+    outcomes = spawn(_disagree, 4, store_addr, "two-round size", env=_env(transport),
+                     check=False)
+    for o in outcomes:
+        assert o.value is not None, f"rank {o.rank} returned without an error: {o.trace}"
+        _check(o, CollectiveMismatch, None, "disagree")
+
+
 # -- 9. a stopped rank is named, with where it stopped --------------------------------------
 
-def _one_rank_stops(rank, n, addr):
+def _one_rank_stops(rank, n, addr, count=16):
     side = _side(addr)
     victim = n - 1
     comm = _open(rank, n, addr)  # start-up may be slow on a loaded machine: only the call is short
@@ -595,7 +623,7 @@ def _one_rank_stops(rank, n, addr):
         os.kill(os.getpid(), signal.SIGSTOP)  # ... until a survivor sends SIGCONT
     outcome = None
     try:
-        comm.all_reduce(np.ones(16), timeout=3.0)
+        comm.all_reduce(np.ones(count), timeout=3.0)
         comm.close()
     except GpucollError as exc:
         outcome = type(exc).__name__, getattr(exc, "peer", None), str(exc)
@@ -616,7 +644,17 @@ def _one_rank_stops(rank, n, addr):
 @pytest.mark.parametrize("n", [2, 3, 4])
 def test_a_stopped_rank_is_named_with_where_it_stopped_by_every_other_rank(store_addr,
                                                                            transport, n):
-    results = spawn(_one_rank_stops, n, store_addr, env=_env(transport), timeout=60)
+    _check_stopped(spawn(_one_rank_stops, n, store_addr, env=_env(transport), timeout=60), n)
+
+
+@pytest.mark.parametrize("transport", ["shm", "shm-python"])
+def test_a_rank_stopped_before_a_two_round_all_reduce_is_named_by_every_other_rank(store_addr,
+                                                                                   transport):
+    _check_stopped(spawn(_one_rank_stops, 4, store_addr, TWO_ROUNDS, env=_env(transport),
+                         timeout=60), 4)
+
+
+def _check_stopped(results: list, n: int) -> None:
     victim = n - 1
     others = ", ".join(str(r) for r in range(n) if r != victim)
     for kind, peer, text in results[:-1]:
