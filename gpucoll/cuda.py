@@ -272,8 +272,7 @@ class CupyRuntime:
         device = self.current_device()
         with _cupy_stream(stream):
             a = cupy_view(src, slots * count, dtype, device).reshape(slots, count)
-            out = cupy_view(dst, count, dtype, device)
-            _CUPY_UFUNCS[op](cupy).reduce(a, axis=0, out=out)
+            fold_slots(_CUPY_UFUNCS[op](cupy), a, cupy_view(dst, count, dtype, device))
 
     def empty(self, shape: tuple, dtype: np.dtype, device: int) -> Any:
         import cupy
@@ -306,17 +305,29 @@ class CupyRuntime:
         import cupy
 
         kernel = cupy.RawKernel(_SPIN_SOURCE, "gpucoll_spin")
-        with _cupy_stream(stream):  # the flag is zeroed before the kernel reads it
+        with _cupy_stream(stream):  # the flag is zeroed (a memset) before the kernel reads it
             flag = cupy.zeros(1, cupy.int32)
             kernel((1,), (1,), (flag, np.int64(_SPIN_MAX_CYCLES)))
         side = cupy.cuda.Stream(non_blocking=True)
+        one = np.ones(1, np.int32)
 
         def release() -> None:
-            with side:
-                flag.fill(1)
+            # A copy, not a kernel: under CUDA's lazy module loading (the default since 12.2)
+            # the first launch of a kernel waits for the spinning one, which would never end
+            rt = _runtime()
+            rt.memcpyAsync(flag.data.ptr, one.ctypes.data, 4, rt.memcpyHostToDevice, side.ptr)
             side.synchronize()
 
         return release
+
+
+def fold_slots(ufunc: Any, slots: Any, out: Any) -> None:
+    """``out`` = ``ufunc`` folded over the rows of ``slots`` in row (rank) order, by binary
+    calls with ``out=``: CuPy's ufuncs have no ``reduce`` for most operations (min, max, the
+    bitwise ones), and a rank-order fold is what the host ring computes too."""
+    out[...] = slots[0]
+    for row in slots[1:]:
+        ufunc(out, row, out=out)
 
 
 _CUPY_UFUNCS = {

@@ -437,7 +437,7 @@ class CudaEmulation:
         def run():
             a = host_view(src, slots * count * dtype.itemsize, dtype).reshape(slots, count)
             out = host_view(dst, count * dtype.itemsize, dtype)
-            out[...] = ufunc.reduce(a, axis=0)
+            cuda.fold_slots(ufunc, a, out)
 
         self.stream(stream).submit(run)
 

@@ -4,14 +4,17 @@ what ``auto`` and ``gpucoll info`` say without a GPU."""
 
 from __future__ import annotations
 
+import contextlib
 import inspect
 import json
 import subprocess
 import sys
+import types
 
 import numpy as np
 import pytest
 from conftest import cuda_available
+from cuda_emulation import host_view
 
 from gpucoll import cuda
 from gpucoll.arrays import SUPPORTED_DTYPES, dtype_from_name
@@ -90,6 +93,37 @@ def test_a_cupy_view_of_a_pointer_is_what_nccl4py_reads_as_that_buffer():
                         (np.dtype(np.uint8), 1)):
         buf = NcclBuffer(cuda.cupy_view(ptr, 3, dtype, 1))
         assert (buf.ptr, buf.count, int(buf.dtype), buf.device_id) == (ptr, 3, code, 1)
+
+
+class _CupyLikeUfunc:
+    """A ufunc as CuPy 14 has it: a binary call with ``out=`` works, ``reduce`` does not
+    (it raises for minimum, maximum and the bitwise ones)."""
+
+    def __init__(self, ufunc: np.ufunc):
+        self._ufunc = ufunc
+
+    def __call__(self, a, b, out=None):
+        return self._ufunc(a, b, out=out)
+
+    def reduce(self, *args, **kwargs):
+        raise NotImplementedError(f"`cupy_{self._ufunc.__name__}.reduce` is not supported yet")
+
+
+@pytest.mark.parametrize("op", ["sum", "prod", "min", "max", "band", "bor", "bxor"])
+def test_the_real_runtime_folds_gathered_slots_with_what_cupys_ufuncs_offer(op, monkeypatch):
+    names = ("add", "multiply", "minimum", "maximum", "bitwise_and", "bitwise_or", "bitwise_xor")
+    monkeypatch.setitem(sys.modules, "cupy", types.SimpleNamespace(
+        **{name: _CupyLikeUfunc(getattr(np, name)) for name in names}))
+    monkeypatch.setattr(cuda, "_cupy_stream", lambda ptr: contextlib.nullcontext())
+    monkeypatch.setattr(cuda, "cupy_view", lambda ptr, count, dtype, device: host_view(
+        ptr, count * dtype.itemsize, dtype))
+    monkeypatch.setattr(cuda.CupyRuntime, "current_device", lambda self: 0)
+    slots = np.array([[5, 3, 12, -7], [6, 9, 10, 2], [7, 1, 3, -1]], np.int32)
+    out = np.zeros(4, np.int32)
+    cuda.CupyRuntime().reduce_slots(op, slots.ctypes.data, out.ctypes.data, 3, 4, slots.dtype, 0)
+    ufunc = {"sum": np.add, "prod": np.multiply, "min": np.minimum, "max": np.maximum,
+             "band": np.bitwise_and, "bor": np.bitwise_or, "bxor": np.bitwise_xor}[op]
+    np.testing.assert_array_equal(out, ufunc.reduce(slots, axis=0))
 
 
 def test_complex_sums_travel_as_float_pairs_and_complex_prod_is_refused():
