@@ -126,6 +126,9 @@ class FutureWork(Work):
     def __init__(self) -> None:
         self._future: concurrent.futures.Future = concurrent.futures.Future()
         self.tail: DeviceTail | None = None
+        # runs the call (and the calls queued before it) on a thread that waits for it with
+        # no timeout, instead of that thread sleeping until another has run it
+        self.helper: Callable[[], None] | None = None
 
     def run(self, call: Callable[[], Any]) -> None:
         """Run ``call`` on the current thread and record how it ended; never raises."""
@@ -139,9 +142,16 @@ class FutureWork(Work):
             self._future.set_result(None)
 
     def fail(self, exc: BaseException) -> None:
-        """Finish without running, e.g. when the backend was aborted before this call started."""
-        if self._future.set_running_or_notify_cancel():
+        """Finish without running, e.g. when the backend was aborted before this call started
+        (or while it was being started: then it ends with ``exc``)."""
+        try:
             self._future.set_exception(exc)
+        except concurrent.futures.InvalidStateError:  # it ended meanwhile
+            pass
+
+    def finished(self) -> bool:
+        """Whether the host side has ended (device work aside), successfully or not."""
+        return self._future.done()
 
     def _event(self) -> Any:
         """The device event the finished call left (None: no device work, or it failed)."""
@@ -157,6 +167,8 @@ class FutureWork(Work):
         return event is None or bool(event.done)
 
     def _host(self, timeout: float | None) -> bool:
+        if timeout is None and self.helper is not None and not self.finished():
+            self.helper()  # bounded by the calls' own deadlines, as waiting for them would be
         # not result(timeout): the call's own CollectiveTimeout is also a TimeoutError
         done, _ = concurrent.futures.wait([self._future], timeout)
         if not done:

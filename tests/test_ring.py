@@ -8,6 +8,7 @@ import pytest
 from multiproc import spawn
 
 from gpucoll.arrays import as_ref
+from gpucoll.errors import CollectiveTimeout
 from gpucoll.ops import ReduceOp
 
 TRANSPORTS = ["shm", "tcp"]
@@ -248,6 +249,41 @@ def test_async_work_completes_in_issue_order_before_a_sync_call(store_addr):
     for done_before_sync, sums in spawn(_async_in_order, 2, store_addr, timeout=60):
         assert done_before_sync
         assert sums == [2 * i + 1 for i in range(8)]
+
+
+def _waiters_run_queued_calls(rank, n, addr):
+    """With the worker thread kept from starting, only waiting callers can run async calls."""
+    store, b = open_backend(rank, n, addr, "shm")
+    b._start_worker = lambda: None  # noqa: SLF001 - the behaviour under test needs no worker
+    ran = []
+    try:
+        def call(i, x):
+            return lambda: (ran.append(i), b.all_reduce(ref(x), ReduceOp.SUM, timeout=30))
+
+        xs = [np.full(1000 * (i + 1), i + rank, np.int64) for i in range(6)]
+        works = [b.run_async(call(i, x)) for i, x in enumerate(xs)]
+        timed_out = False
+        try:
+            works[1].wait(timeout=0.2)  # a wait with a timeout only waits
+        except CollectiveTimeout:
+            timed_out = ran == []
+        works[2].wait()  # runs calls 0, 1 and 2, in issue order
+        after_wait = (list(ran), [w.is_completed() for w in works])
+        last = np.zeros(1, np.int64)
+        b.run_sync(lambda: b.all_reduce(ref(last), ReduceOp.MAX, timeout=30))  # runs 3 to 5
+        return timed_out, after_wait, ran, [int(x[0]) for x in xs]
+    finally:
+        b.close()
+        store.close()
+
+
+def test_a_caller_waiting_for_async_calls_runs_them_itself_in_issue_order(store_addr):
+    for timed_out, after_wait, ran, sums in spawn(_waiters_run_queued_calls, 2, store_addr,
+                                                   timeout=60):
+        assert timed_out
+        assert after_wait == ([0, 1, 2], [True] * 3 + [False] * 3)
+        assert ran == list(range(6))
+        assert sums == [2 * i + 1 for i in range(6)]
 
 
 def _split_in_two(rank, n, addr):
