@@ -3,6 +3,8 @@
 
 from __future__ import annotations
 
+import threading
+
 import numpy as np
 import pytest
 from multiproc import spawn
@@ -284,6 +286,35 @@ def test_a_caller_waiting_for_async_calls_runs_them_itself_in_issue_order(store_
         assert after_wait == ([0, 1, 2], [True] * 3 + [False] * 3)
         assert ran == list(range(6))
         assert sums == [2 * i + 1 for i in range(6)]
+
+
+def _waiters_on_three_threads(rank, n, addr):
+    store, b = open_backend(rank, n, addr, "shm")
+    ran = []
+    try:
+        def call(i, x):
+            return lambda: (ran.append(i), b.all_reduce(ref(x), ReduceOp.SUM, timeout=30))
+
+        xs = [np.full(500 * (i % 4 + 1), i + rank, np.int64) for i in range(12)]
+        works = [b.run_async(call(i, x)) for i, x in enumerate(xs)]
+        threads = [threading.Thread(target=works[i].wait) for i in (11, 5)]
+        for t in threads:
+            t.start()
+        works[2].wait()
+        for t in threads:
+            t.join(30)
+        return ran, [w.is_completed() for w in works], [int(x[0]) for x in xs]
+    finally:
+        b.close()
+        store.close()
+
+
+def test_threads_waiting_for_different_async_calls_run_them_once_each_in_issue_order(
+        store_addr):
+    for ran, completed, sums in spawn(_waiters_on_three_threads, 2, store_addr, timeout=60):
+        assert ran == list(range(12))
+        assert all(completed)
+        assert sums == [2 * i + 1 for i in range(12)]
 
 
 def _split_in_two(rank, n, addr):

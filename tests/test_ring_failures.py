@@ -25,15 +25,20 @@ def _signal_self_soon(sig: int) -> None:
                      daemon=True).start()
 
 
-def _loop_until_error(b, victim: int, rank: int, sig: int):
-    """All ranks all_reduce large arrays; ``victim`` is signalled in the middle of that."""
+def _loop_until_error(b, victim: int, rank: int, sig: int, async_calls: bool = False):
+    """All ranks all_reduce large arrays (``async_calls``: each started with ``run_async`` and
+    waited for); ``victim`` is signalled in the middle of that."""
     x = np.ones(1 << 20, np.float32)
+    call = lambda: b.all_reduce(ref(x), ReduceOp.SUM, timeout=LONG)  # noqa: E731
     if rank == victim:
         _signal_self_soon(sig)
     try:
         for _ in range(100_000):
             x[:] = 1
-            b.all_reduce(ref(x), ReduceOp.SUM, timeout=LONG)
+            if async_calls:
+                b.run_async(call).wait()
+            else:
+                call()
     except (GpucollError, KeyboardInterrupt) as exc:
         return exc
     return None
@@ -106,13 +111,13 @@ def test_sending_to_oneself_is_a_value_error_that_leaves_the_backend_usable(stor
     assert "dst=0 on rank 0" in messages[0]
 
 
-def _interrupted(rank, n, addr):
+def _interrupted(rank, n, addr, async_calls=False):
     # a process started in the background by a shell inherits SIGINT ignored: Python then
     # installs no KeyboardInterrupt handler, and the interrupt this test sends would be lost
     signal.signal(signal.SIGINT, signal.default_int_handler)
     store, b = open_backend(rank, n, addr, "shm", timeout=LONG)
     try:
-        return _loop_until_error(b, 0, rank, signal.SIGINT)
+        return _loop_until_error(b, 0, rank, signal.SIGINT, async_calls)
     finally:
         b.close()
         store.close()
@@ -120,6 +125,14 @@ def _interrupted(rank, n, addr):
 
 def test_interrupted_rank_raises_keyboard_interrupt_and_its_peers_peer_failure(store_addr):
     errors = spawn(_interrupted, 3, store_addr, timeout=40)
+    assert isinstance(errors[0], KeyboardInterrupt)
+    for err in errors[1:]:
+        assert isinstance(err, PeerFailure) and err.peer == 0, repr(err)
+
+
+def test_a_rank_interrupted_while_waiting_for_async_calls_does_the_same(store_addr):
+    # the waiting thread runs most of these calls itself: the interrupt strikes inside them
+    errors = spawn(_interrupted, 3, store_addr, True, timeout=40)
     assert isinstance(errors[0], KeyboardInterrupt)
     for err in errors[1:]:
         assert isinstance(err, PeerFailure) and err.peer == 0, repr(err)
