@@ -486,6 +486,36 @@ def test_a_forked_child_gets_a_usage_error_and_the_parent_keeps_working(store_ad
         assert code == 3 and sums == [total] * 3
 
 
+def _fork_while_async(rank, n, addr):
+    side = _side(addr)
+    with _open(rank, n, addr) as comm:
+        comm.barrier()
+        if rank != 0:
+            side.get("child-done", timeout=LONG)  # the parent's call waits for this rank
+            return None, float(comm.all_reduce(np.full(4, rank + 1.0))[0])
+        work = comm.all_reduce(np.full(4, rank + 1.0), async_op=True)
+        pid = os.fork()
+        if pid == 0:
+            code = 9
+            try:
+                work.wait()
+            except UsageError as exc:
+                code = 3 if "forked child" in str(exc) else 4
+            except BaseException:  # noqa: BLE001 - any other outcome fails the test
+                code = 5
+            os._exit(code)
+        _, status = os.waitpid(pid, 0)
+        side.set("child-done", "1")
+        return os.waitstatus_to_exitcode(status), float(work.wait()[0])
+
+
+@pytest.mark.parametrize("transport", TRANSPORTS)
+def test_a_forked_child_waiting_for_its_parents_async_call_gets_a_usage_error(store_addr,
+                                                                             transport):
+    results = spawn(_fork_while_async, 2, store_addr, env=_env(transport))
+    assert results == [(3, 3.0), (None, 3.0)]
+
+
 # -- 6. two threads in one communicator at once ---------------------------------------------
 
 def _two_threads(rank, n, addr):

@@ -34,7 +34,13 @@ import numpy as np
 from gpucoll.backends import Backend
 from gpucoll.backends import ring_algos as algos
 from gpucoll.backends.ring_algos import GroupedRing
-from gpucoll.errors import CollectiveMismatch, CollectiveTimeout, GpucollError, PeerFailure
+from gpucoll.errors import (
+    CollectiveMismatch,
+    CollectiveTimeout,
+    GpucollError,
+    PeerFailure,
+    UsageError,
+)
 from gpucoll.ops import ReduceOp, finish_avg, fp_quiet, fp_restore, host_ufunc
 from gpucoll.progress import IN_CALL, KIND, SLOTS, Progress, diagnose, kind_name
 from gpucoll.transport.engine import CORES, Engine, Recv, Send, State
@@ -95,6 +101,7 @@ class RingBackend(GroupedRing, Backend):
         self._pending: collections.deque = collections.deque()
         self._runner = threading.Lock()
         self._issued = self._taken = 0  # tickets of the last call queued, and taken
+        self._pid = os.getpid()
         self._inflight = 0
         self._idle = threading.Condition()
         self._worker: threading.Thread | None = None
@@ -666,6 +673,10 @@ class RingBackend(GroupedRing, Backend):
         wake-ups a call, each about 100 us on a busy virtual machine)."""
         if threading.current_thread() is self._worker:
             return
+        if os.getpid() != self._pid:  # the rings are the parent's: running a call would tangle them
+            raise UsageError(f"rank {self.rank}: waiting for an asynchronous call of process "
+                             f"{self._pid} in a forked child of it; a child cannot use its "
+                             f"parent's communicator")
         with self._runner:
             while self._taken < ticket and self._run_next():
                 pass
