@@ -111,6 +111,18 @@ def test_compose_offers_a_gpu_and_a_cpu_service_sharing_memory_and_results():
         assert needle in text, needle
 
 
+def test_the_cuda13_extra_is_the_cuda12_one_built_for_cuda_13():
+    tomllib = pytest.importorskip("tomllib")
+    extras = tomllib.loads((ROOT / "pyproject.toml").read_text())["project"][
+        "optional-dependencies"]
+    as_13 = {dep.replace("cuda12x", "cuda13x").replace("cu12", "cu13").replace("~=12", "~=13")
+             for dep in extras["cuda12"]}
+    names = {dep.split(">")[0].split("~")[0].split("=")[0] for dep in extras["cuda13"]}
+    assert names == {dep.split(">")[0].split("~")[0].split("=")[0] for dep in as_13}
+    assert "cuda-bindings~=13.0" in extras["cuda13"]
+    assert not any("cutlass" in dep or "nccl4py[" in dep for dep in extras["cuda13"])
+
+
 def test_the_gpu_image_has_the_self_check_and_nccl4py():
     from gpucoll.__main__ import COMMANDS
 

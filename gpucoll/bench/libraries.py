@@ -65,7 +65,8 @@ class GpucollLibrary:
     def describe(self) -> dict[str, Any]:
         info = {"library": self.name, "backend": self.comm.backend,
                 "transport": transport_of(self.comm),
-                "versions": versions("gpucoll", "numpy", "cupy-cuda12x", "nvidia-nccl-cu12")}
+                "versions": versions("gpucoll", "numpy", "cupy-cuda12x", "nvidia-nccl-cu12",
+                                     "cupy-cuda13x", "nvidia-nccl-cu13")}
         if self.comm.backend == "nccl":
             info["versions"]["nccl"] = nccl_version()
         return info
