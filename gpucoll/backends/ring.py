@@ -658,7 +658,7 @@ class RingBackend(GroupedRing, Backend):
             work.run(call)
         finally:
             if not work.finished():  # an interrupt on a waiting thread, outside the call
-                self.abort(f"rank {self.rank}: interrupted before an async call ran")
+                self.abort("interrupted before an async call ran")
                 work.fail(self._unusable("async call"))
             with self._idle:
                 self._inflight -= 1
@@ -670,7 +670,7 @@ class RingBackend(GroupedRing, Backend):
     def _run_through(self, ticket: int) -> None:
         """Run the queued calls up to ticket ``ticket`` on this thread, a caller waiting for
         that call: cheaper than waking the worker and sleeping until it is done (two thread
-        wake-ups a call, each about 100 us on a busy virtual machine)."""
+        wake-ups a call, each up to 100 us on a virtual machine with idle cores)."""
         if threading.current_thread() is self._worker:
             return
         if os.getpid() != self._pid:  # the rings are the parent's: running a call would tangle them
