@@ -188,3 +188,11 @@ def test_each_table_ends_with_its_peak_beside_the_host_copy_ceiling():
     assert line == ("# Peak busbw: 10.50 GB/s at 1 MiB, 50% of the host memcpy ceiling "
                     "(21.00 GB/s)")
     assert report.peak_line(results, []) is None
+
+
+def test_no_peak_line_where_the_host_copy_is_no_bound_or_nothing_crossed_a_link():
+    results = [_result(8, ip=(6.0, 0.0, 0.0, 0)), _result(1 << 20, ip=(100.0, 10.5, 10.5, 0))]
+    ceilings = [{"name": "host memcpy", "GBps": 21.0}]
+    assert report.peak_line(results, ceilings, "device") is None
+    one_rank = [_result(1 << 20, oop=None, ip=(80.0, 13.1, 0.0, 0))]  # one rank: busbw 0
+    assert report.peak_line(one_rank, ceilings) is None

@@ -411,7 +411,8 @@ class Console:
     def _close_table(self) -> None:
         if self._op is not None:
             self.print(*report.table_footer(self._results))
-            peak = report.peak_line(self._results, self.doc["ceilings"])
+            peak = report.peak_line(self._results, self.doc["ceilings"],
+                                    self.runs[-1].get("memory", "host"))
             if peak:
                 self.print(peak)
             summary = report.summary(self._results)

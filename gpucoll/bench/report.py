@@ -151,11 +151,14 @@ def spread_line(results: list[Result]) -> str | None:
             f"(at {human_size(size)}; (slowest - fastest loop) / median)")
 
 
-def peak_line(results: list[Result], ceilings: list[dict[str, Any]]) -> str | None:
-    """The best busbw of a table beside the host copy ceiling (None without either)."""
+def peak_line(results: list[Result], ceilings: list[dict[str, Any]],
+              memory: str = "host") -> str | None:
+    """The best busbw of a table beside the host copy ceiling. None without either, for a
+    table on device memory (which the host copy does not bound), or when the best busbw is 0
+    (one rank: nothing crosses a link)."""
     cells = [(m.busbw, r.size) for r in results for m in (r.out_of_place, r.in_place) if m]
     host = next((c["GBps"] for c in ceilings if c["name"] == "host memcpy"), None)
-    if not cells or not host:
+    if not cells or not host or memory == "device" or max(cells)[0] <= 0:
         return None
     busbw, size = max(cells)
     return (f"# Peak busbw: {busbw:.2f} GB/s at {human_size(size)}, {100 * busbw / host:.0f}% "
