@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import io
 import sys
+import threading
 import time
 
 import numpy as np
@@ -161,8 +162,6 @@ class _Event:
 
 
 def test_an_unfinished_nccl_call_says_where_the_ranks_are(monkeypatch):
-    import threading
-
     from gpucoll.backends.nccl.backend import Pending, Watchdog
 
     monkeypatch.setenv("GPUCOLL_WAIT_LOG", "0.2")
@@ -200,3 +199,34 @@ def test_an_unfinished_nccl_call_says_where_the_ranks_are(monkeypatch):
         "gpucoll: all_reduce #0 on rank 0 of 2: still waiting after ")
     assert "(where the ranks are: rank 1 is behind, before its first collective; rank 0 is in " \
            "all_reduce #0) (gives up at 300 s)" in sys.stderr.text
+
+
+def test_an_unfinished_nccl_call_on_one_rank_says_it_waits_for_the_device(monkeypatch):
+    from gpucoll.backends.nccl.backend import Pending, Watchdog
+
+    monkeypatch.setenv("GPUCOLL_WAIT_LOG", "0.2")
+    seen = threading.Event()
+
+    class Lines(io.TextIOBase):
+        text = ""
+
+        def write(self, s: str) -> int:
+            self.text += s
+            seen.set()
+            return len(s)
+
+    monkeypatch.setattr(sys, "stderr", Lines())
+    dog = Watchdog(0, 1, lambda op: None, lambda exc: None, positions=None)
+    event, pending = _Event(), None
+    try:
+        pending = Pending(event, deadline=time.monotonic() + 300, opname="all_reduce #1",
+                          timeout=300.0)
+        dog.add(pending)
+        assert seen.wait(30)
+    finally:
+        event.done = True
+        dog.close()
+    waits = "(one rank: it waits for the device, for work queued before it on its stream)"
+    assert "all_reduce #1 on rank 0 of 1: still waiting after " in sys.stderr.text
+    assert waits in sys.stderr.text
+    assert waits[1:-1] in str(dog.expired(pending))
