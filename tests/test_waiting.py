@@ -161,22 +161,43 @@ class _Event:
     done = False
 
 
-def test_an_unfinished_nccl_call_says_where_the_ranks_are(monkeypatch):
+class _Lines(io.TextIOBase):
+    """A stand-in stderr that keeps what is written and says when a line came."""
+
+    def __init__(self):
+        super().__init__()
+        self.text, self.seen = "", threading.Event()
+
+    def write(self, s: str) -> int:
+        self.text += s
+        self.seen.set()
+        return len(s)
+
+
+def _nccl_wait_lines(monkeypatch, size: int, positions=None) -> tuple[str, str]:
+    """The long-wait lines of an NCCL watchdog of ``size`` ranks whose call stays unfinished
+    for one line (interval 0.2 s), and the error it would give at the deadline."""
     from gpucoll.backends.nccl.backend import Pending, Watchdog
 
     monkeypatch.setenv("GPUCOLL_WAIT_LOG", "0.2")
-    seen = threading.Event()
+    lines = _Lines()
+    monkeypatch.setattr(sys, "stderr", lines)
+    failures = []
+    dog = Watchdog(0, size, lambda op: None, failures.append, positions=positions)
+    event = _Event()
+    pending = Pending(event, deadline=time.monotonic() + 300, opname="all_reduce #0",
+                      timeout=300.0)
+    try:
+        dog.add(pending)
+        assert lines.seen.wait(30)
+    finally:
+        event.done = True
+        dog.close()
+    assert failures == []
+    return lines.text, str(dog.expired(pending))
 
-    class Lines(io.TextIOBase):
-        text = ""
 
-        def write(self, s: str) -> int:
-            self.text += s
-            seen.set()
-            return len(s)
-
-    monkeypatch.setattr(sys, "stderr", Lines())
-
+def test_an_unfinished_nccl_call_says_where_the_ranks_are(monkeypatch):
     class Positions:  # what the store's progress records would say
         def diagnose(self):
             return "rank 1 is behind, before its first collective; rank 0 is in all_reduce #0"
@@ -184,49 +205,15 @@ def test_an_unfinished_nccl_call_says_where_the_ranks_are(monkeypatch):
         def publish(self):
             pass
 
-    failures = []
-    dog = Watchdog(0, 2, lambda op: None, failures.append, positions=Positions())
-    event = _Event()
-    try:
-        dog.add(Pending(event, deadline=time.monotonic() + 300, opname="all_reduce #0",
-                        timeout=300.0))
-        assert seen.wait(30)
-    finally:
-        event.done = True
-        dog.close()
-    assert failures == []
-    assert sys.stderr.text.splitlines()[0].startswith(
+    text, _ = _nccl_wait_lines(monkeypatch, 2, Positions())
+    assert text.splitlines()[0].startswith(
         "gpucoll: all_reduce #0 on rank 0 of 2: still waiting after ")
     assert "(where the ranks are: rank 1 is behind, before its first collective; rank 0 is in " \
-           "all_reduce #0) (gives up at 300 s)" in sys.stderr.text
+           "all_reduce #0) (gives up at 300 s)" in text
 
 
 def test_an_unfinished_nccl_call_on_one_rank_says_it_waits_for_the_device(monkeypatch):
-    from gpucoll.backends.nccl.backend import Pending, Watchdog
-
-    monkeypatch.setenv("GPUCOLL_WAIT_LOG", "0.2")
-    seen = threading.Event()
-
-    class Lines(io.TextIOBase):
-        text = ""
-
-        def write(self, s: str) -> int:
-            self.text += s
-            seen.set()
-            return len(s)
-
-    monkeypatch.setattr(sys, "stderr", Lines())
-    dog = Watchdog(0, 1, lambda op: None, lambda exc: None, positions=None)
-    event, pending = _Event(), None
-    try:
-        pending = Pending(event, deadline=time.monotonic() + 300, opname="all_reduce #1",
-                          timeout=300.0)
-        dog.add(pending)
-        assert seen.wait(30)
-    finally:
-        event.done = True
-        dog.close()
+    text, error = _nccl_wait_lines(monkeypatch, 1)
     waits = "(one rank: it waits for the device, for work queued before it on its stream)"
-    assert "all_reduce #1 on rank 0 of 1: still waiting after " in sys.stderr.text
-    assert waits in sys.stderr.text
-    assert waits[1:-1] in str(dog.expired(pending))
+    assert "all_reduce #0 on rank 0 of 1: still waiting after " in text
+    assert waits in text and waits[1:-1] in error
