@@ -627,6 +627,11 @@ def test_ranks_that_make_different_calls_all_raise_a_mismatch_naming_both(store_
         if case == "root" and o.rank == 2:
             continue  # it only received root 0's data, as it expected: its result is right
         assert o.value is not None, f"rank {o.rank} returned without an error: {o.trace}"
+        if case == "root" and o.value[0] == "PeerFailure":
+            # rank 2, right and done, may close before root 1's message reaches it: that
+            # message is then undeliverable, and that is the failure the others report
+            _check(o, PeerFailure, None, "rank 2 closed", "cannot be delivered")
+            continue
         _check(o, CollectiveMismatch, None, "disagree")
 
 
