@@ -1008,21 +1008,23 @@ class Watchdog:
             notice.what = f"{head.opname} on rank {self.rank} of {self.size}"
             notice.timeout = head.timeout
         if now >= notice.due:
-            notice.tick(lambda: f"({self._whom()})" if self.size == 1 or self._positions
-                        is not None else "for its peers", now)
+            notice.tick(lambda: f"({whom})" if (whom := self._whom()) else "for its peers",
+                        now)
 
-    def _whom(self) -> str:
+    def _whom(self) -> str | None:
         """What an unfinished call waits for: on one rank only the device's earlier work on
-        its stream; else whichever ranks the progress records show behind."""
+        its stream; else where the progress records show the ranks (None without them)."""
         if self.size == 1:
             return ("one rank: it waits for the device, for work queued before it on its "
                     "stream")
+        if self._positions is None:
+            return None
         return f"where the ranks are: {self._positions.diagnose()}"
 
     def expired(self, item: Pending) -> CollectiveTimeout:
         """The error for a call that missed its deadline, saying where every rank is (on one
         rank: that it waited for the device)."""
-        why = f"; {self._whom()}" if self.size == 1 or self._positions is not None else ""
+        why = f"; {whom}" if (whom := self._whom()) else ""
         return CollectiveTimeout(
             f"{item.opname} on rank {self.rank} of {self.size} did not complete within "
             f"{item.timeout:g} s{why}; the NCCL communicator was aborted")
