@@ -185,7 +185,7 @@ class RingBackend(GroupedRing, Backend):
         try:
             body()
         except BaseException as exc:
-            err = self._fail_call(exc)
+            err = self._fail_call(self._finished_without(exc, opname))
             if err is exc:
                 raise
             raise err from None
@@ -254,6 +254,21 @@ class RingBackend(GroupedRing, Backend):
         self._poison(exc)
         self._release()
         return exc
+
+    def _finished_without(self, exc: BaseException, name: Any) -> BaseException:
+        """A peer that closed cleanly after this very collective (``name``) finished it without
+        the message this rank sent it, or without sending the one this rank waits for: the ranks
+        disagree on the call, which is what to report rather than the peer's leaving."""
+        state, peer = self._state, getattr(exc, "peer", None)
+        if type(exc) is not PeerFailure or self._error is not None \
+                or not isinstance(name, _CallName) or not name.code \
+                or state.closed_after.get(peer, -1) < name.seq:
+            return exc
+        err = CollectiveMismatch(
+            f"{exc}; rank {peer} had finished {name} when it closed, so the two ranks disagree "
+            f"on that call (its root, its size, or who sends to whom)")
+        err.peer = peer
+        return err
 
     def _poison(self, exc: BaseException) -> None:
         """Remember the first failure and tell every peer, so nobody waits for this rank."""
@@ -851,9 +866,12 @@ class RingBackend(GroupedRing, Backend):
                 # (which, alone, says only that the data was not received)
                 peer = getattr(state.failure, "peer", None)
                 self._tell_peers(state.failure, peer if isinstance(peer, int) else self.rank)
+        # the peers may learn that this rank finished a call they are still in (_finished_without)
+        last = self.progress.seq if problem is None and self._error is None \
+            and state.failure is None else -1
         for j, link in enumerate(links):
             if link is not None:
-                self._monitor.send(j, encode_close(link.received()))
+                self._monitor.send(j, encode_close(link.received(), last))
         if problem is None and self._error is None:
             problem = self._undelivered()
         return problem

@@ -240,12 +240,14 @@ class FrameMismatch(Exception):
 
 
 class State:
-    """What the failure monitor tells the engine: the first failure, who closed cleanly (and
-    how many bytes of ours they had consumed by then), and whose control connection ended."""
+    """What the failure monitor tells the engine: the first failure, who closed cleanly (how
+    many bytes of ours they had consumed by then, and the latest call they had finished), and
+    whose control connection ended."""
 
     def __init__(self):
         self.failure: GpucollError | None = None
         self.closed_peers: dict[int, int] = {}  # peer -> bytes it consumed from us, at close
+        self.closed_after: dict[int, int] = {}  # peer -> the latest collective it finished then
         self.consumed: dict[int, int] = {}  # the same, said by a peer that closed or aborted
         self.ended: set[int] = set()  # peers whose control connection is finished
         # the failure "a peer closed without receiving data of ours", when it came first: the

@@ -587,13 +587,14 @@ class TcpLink:
 
 # -- peer liveness: the monitor on the control connections -----------------------------------------
 # Messages (one byte of type, then a fixed layout):
-#   C  u64 bytes consumed from the receiver of this message    clean close
+#   C  u64 bytes consumed from the receiver of this message,
+#      i64 the latest collective entered (-1: none, or failed)  clean close
 #   A  u8 kind, i32 culprit, u64 bytes consumed (as C),
 #      u16 length, reason (UTF-8)                              abort
 #   Q                                                          where are you?
 #   P  the asker's Progress record                             answer to Q
 CLOSE, ABORT, QUERY, POSITION = b"C", b"A", b"Q", b"P"
-_CLOSE = struct.Struct("!Q")
+_CLOSE = struct.Struct("!Qq")
 _ABORT = struct.Struct("!BiQH")  # failure kind, rank to blame, bytes consumed, reason length
 _POSITION_BYTES = 8 * SLOTS
 # abort kinds: the class a peer's failure is re-raised as on every rank (a timeout and a
@@ -609,8 +610,10 @@ def encode_abort(error: BaseException, culprit: int, consumed: int = 0) -> bytes
     return ABORT + _ABORT.pack(kind, culprit, consumed, len(data)) + data
 
 
-def encode_close(consumed: int) -> bytes:
-    return CLOSE + _CLOSE.pack(consumed)
+def encode_close(consumed: int, last_call: int = -1) -> bytes:
+    """A clean close: ``consumed`` as in an abort; ``last_call``: the latest collective this
+    rank entered, all of whose calls it finished (-1 to claim none)."""
+    return CLOSE + _CLOSE.pack(consumed, last_call)
 
 
 class Monitor:
@@ -694,7 +697,7 @@ class Monitor:
         if kind == CLOSE:
             if len(buf) < 1 + _CLOSE.size:
                 return 0
-            self._closed(peer, _CLOSE.unpack_from(buf, 1)[0])
+            self._closed(peer, *_CLOSE.unpack_from(buf, 1))
             return 1 + _CLOSE.size
         if kind == ABORT:
             head = 1 + _ABORT.size
@@ -718,7 +721,8 @@ class Monitor:
         self._fail(peer, f"rank {peer} sent an unexpected control message {buf[:8]!r}")
         return None
 
-    def _closed(self, peer: int, consumed: int) -> None:
+    def _closed(self, peer: int, consumed: int, last_call: int = -1) -> None:
+        self.state.closed_after[peer] = last_call  # (before closed_peers, which the engine reads)
         self.state.closed_peers[peer] = consumed
         self.state.consumed[peer] = consumed
         lost = self.unconsumed(peer, consumed)
