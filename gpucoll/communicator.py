@@ -10,7 +10,9 @@ sends and receives, which progress side by side.
 
 Every call also gets an entry in the communicator's flight recorder (``gpucoll.progress``), which
 ``gpucoll.dumps`` writes out when the group fails, on SIGUSR1, or when ``gpucoll doctor`` asks.
-After a lost rank, ``shrink()`` makes a communicator of the survivors.
+After a lost rank, ``shrink()`` makes a communicator of the survivors. A rank that gives up
+(``abort()``, an exception out of a ``with`` block, or one nobody catches: a ``sys.excepthook``)
+tells its peers why, so that they fail at once with its reason.
 
 A communicator serves one thread at a time, in the process that made it: a call from a second
 thread while another is inside a call, or any call in a forked child, raises ``UsageError`` (the
@@ -36,6 +38,7 @@ import json
 import operator
 import os
 import struct
+import sys
 import threading
 import time
 import weakref
@@ -73,7 +76,8 @@ from gpucoll.validation import VALID_OPS, Call, SignatureCheck, check_timeout
 from gpucoll.validation import entry as _entry
 from gpucoll.work import Work
 
-_LIVE: weakref.WeakSet = weakref.WeakSet()  # communicators of this process, for fork handling
+# the communicators of this process, for a fork and for an uncaught exception
+_LIVE: weakref.WeakSet = weakref.WeakSet()
 
 
 def _forked() -> None:
@@ -82,6 +86,29 @@ def _forked() -> None:
 
 
 os.register_at_fork(after_in_child=_forked)
+
+
+def _abort_on_uncaught(previous: Callable) -> Callable:
+    """An ``sys.excepthook`` that first aborts every open communicator of the process, so that
+    its peers fail at once with the exception's text (MPI_Abort's promptness, and the reason),
+    then hands over to ``previous``. Not in an interactive session, which lives on after one."""
+
+    def hook(kind: type[BaseException], value: BaseException, tb: Any) -> None:
+        if not (hasattr(sys, "ps1") or sys.flags.interactive):
+            for comm in list(_LIVE):
+                try:
+                    comm.abort(f"uncaught {kind.__name__}: {value}")
+                except Exception:  # noqa: BLE001 - the traceback below must still be printed
+                    pass
+        previous(kind, value, tb)
+
+    hook.gpucoll = True
+    return hook
+
+
+def _install_abort_hook() -> None:
+    if not getattr(sys.excepthook, "gpucoll", False):
+        sys.excepthook = _abort_on_uncaught(sys.excepthook)
 
 
 def debug_enabled() -> bool:
@@ -263,7 +290,9 @@ class Communicator(OutOfPlaceCalls, UnevenCalls, ObjectCalls, PointToPointCalls,
         self._recorder = Recorder(trace_size)  # the last calls, for dumps and the doctor
         self._keep = self._recorder.keep
         self._flight = Flight(self._recorder, store, self.rank, self.size, backend)
+        self._aborted: str | None = None  # why abort() ended it
         _LIVE.add(self)
+        _install_abort_hook()
 
     # -- reductions, in place ---------------------------------------------------------------
 
@@ -664,13 +693,31 @@ class Communicator(OutOfPlaceCalls, UnevenCalls, ObjectCalls, PointToPointCalls,
             if self._owned_store is not None:
                 self._owned_store.close()
 
+    def abort(self, reason: str = "aborted by the program") -> None:
+        """End this communicator now on every rank: a call in progress here (in any thread)
+        and the peers' calls raise, the peers a ``PeerFailure`` naming this rank and
+        ``reason``; later calls here raise; ``close()`` then only releases. Not collective;
+        idempotent; communicators split from this one are aborted too. A ``with`` block that
+        ends in an exception aborts with its text, and so does an exception nobody catches
+        (for every open communicator of the process)."""
+        if self._closed or self._forked or self._aborted is not None:
+            return
+        self._aborted = str(reason)
+        for child in self._children:
+            child.abort(reason)
+        try:
+            self._backend.abort(self._aborted)
+        finally:
+            if self._liveness is not None:  # peers waiting in the store learn it there
+                self._liveness.leave(aborted=self._aborted)
+
     def _leave(self) -> None:
         """Leave the group's place in the store (never raises; the last rank out deletes its
         keys), unless a group shrunk from this one still lives there: it leaves for both."""
         if any(not sub.closed for sub in self._shrunk):
             self._leave_pending = True
         elif self._store is not None:
-            leave_group(self._store, self.rank, self.size)
+            leave_group(self._store, self.rank, self.size, self._aborted)
         for parent in self._parents:
             if parent._leave_pending and not any(not s.closed for s in parent._shrunk):
                 parent._leave_pending = False
@@ -684,6 +731,8 @@ class Communicator(OutOfPlaceCalls, UnevenCalls, ObjectCalls, PointToPointCalls,
             self.close()
             return
         try:  # an error is already on its way out: closing must not replace it
+            if not isinstance(exc[0], GpucollError):  # the peers learn why this rank stops
+                self.abort(f"{kind.__name__}: {exc[0]}")
             self.close()
         except GpucollError:
             pass

@@ -249,6 +249,8 @@ class _Case:
             return "died (its process ended or lost the store)"
         if gone == "closed":
             return "closed its communicator"
+        if gone and gone.startswith("aborted"):
+            return f"aborted its communicator{gone[len('aborted'):]}"
         if fact.get("state") == "stopped":
             return "is stopped (process state T: SIGSTOP, or a debugger)"
         if r not in self.records:

@@ -501,7 +501,8 @@ class Group:
     size: int
     backend: str = "?"
     ranks: dict[int, RankRecord] = dataclasses.field(default_factory=dict)
-    gone: dict[int, str] = dataclasses.field(default_factory=dict)  # rank -> died | closed
+    # rank -> died | closed | aborted: <why>
+    gone: dict[int, str] = dataclasses.field(default_factory=dict)
 
     def add(self, record: RankRecord) -> None:
         """Keep the best record of each rank: the latest, and a full one over a summary."""

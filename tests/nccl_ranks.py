@@ -8,6 +8,7 @@ against NumPy, and finally asserts that the emulated NCCL saw no misuse.
 from __future__ import annotations
 
 import contextlib
+import time
 
 import ml_dtypes
 import numpy as np
@@ -290,6 +291,25 @@ def peer_never_calls(rank: int, n: int, addr: str) -> str:
         comm.close()
         store.close()
         rt.close()
+
+
+def peer_aborts(rank: int, n: int, addr: str) -> tuple[str, str] | None:
+    """Rank 1 aborts while rank 0 waits for it in an all_reduce: rank 0 learns it from the
+    store, with the reason, long before its deadline. Returns (error type, text) on rank 0."""
+    from gpucoll.errors import GpucollError
+
+    with emulated(addr, rank, n) as (rt, comm):
+        x = dev(rt, np.ones(4, np.float32))
+        comm.barrier()
+        if rank == 1:
+            comm.abort("the loss is NaN at step 7")
+            return None
+        start = time.monotonic()
+        try:
+            comm.all_reduce(x, async_op=True).synchronize()
+        except GpucollError as exc:
+            return type(exc).__name__, f"{time.monotonic() - start:.1f} s: {exc}"
+        raise AssertionError("an all_reduce completed without its aborted peer")
 
 
 def staged_ring_cases(rank: int, n: int, addr: str) -> list:

@@ -313,3 +313,55 @@ def test_a_closed_communicator_leaves_out_untouched(store_addr):
     with pytest.raises(ValueError, match="closed"):
         comm.all_reduce(np.ones(3), out=out)
     assert (out == -1).all()
+
+
+# -- an uncaught exception --------------------------------------------------------------------
+class _Aborts:
+    """Stands in for an open communicator: records its aborts."""
+
+    def __init__(self):
+        self.reasons: list[str] = []
+
+    def abort(self, reason: str) -> None:
+        self.reasons.append(reason)
+
+
+def _hooked(monkeypatch) -> tuple[_Aborts, list, object]:
+    from gpucoll import communicator
+
+    comm, printed = _Aborts(), []
+    monkeypatch.setattr(communicator, "_LIVE", {comm})
+    return comm, printed, communicator._abort_on_uncaught(lambda *exc: printed.append(exc[1]))
+
+
+def test_an_uncaught_exception_aborts_every_open_communicator_then_is_printed(monkeypatch):
+    comm, printed, hook = _hooked(monkeypatch)
+    error = ValueError("the data loader ran dry")
+    hook(ValueError, error, None)
+    assert comm.reasons == ["uncaught ValueError: the data loader ran dry"]
+    assert printed == [error]
+
+
+def test_an_exception_at_an_interactive_prompt_aborts_nothing(monkeypatch):
+    import sys
+
+    comm, printed, hook = _hooked(monkeypatch)
+    monkeypatch.setattr(sys, "ps1", ">>> ", raising=False)
+    hook(NameError, NameError("a typo"), None)
+    assert comm.reasons == [] and len(printed) == 1
+
+
+def test_the_abort_hook_is_installed_once_in_front_of_the_one_before(monkeypatch):
+    import sys
+
+    from gpucoll import communicator
+
+    before = []
+    monkeypatch.setattr(sys, "excepthook", lambda *exc: before.append(exc[1]))
+    communicator._install_abort_hook()
+    hook = sys.excepthook
+    communicator._install_abort_hook()
+    assert sys.excepthook is hook
+    monkeypatch.setattr(communicator, "_LIVE", set())
+    hook(KeyError, KeyError("k"), None)
+    assert len(before) == 1

@@ -93,6 +93,14 @@ def _check(o, kind: type, peer: int | None, *words: str) -> None:
     assert since < BOUND_S, f"{since:.1f} s: {text}"
 
 
+def _close_quietly(comm) -> None:
+    """Close where an error has already been reported (close() may repeat it)."""
+    try:
+        comm.close()
+    except GpucollError:
+        pass
+
+
 # -- 1. a peer killed while the others wait for it in a call ----------------------------------
 
 def _root_dies_before_scatter(rank, n, addr):
@@ -347,11 +355,7 @@ def _first_finisher_closes(rank, n, addr):
     except GpucollError as exc:
         return _outcome(exc, side, "started")
     finally:
-        if not comm.closed:
-            try:
-                comm.close()
-            except GpucollError:
-                pass
+        _close_quietly(comm)
     return None
 
 
@@ -554,10 +558,7 @@ def _two_threads(rank, n, addr):
         thread.join(LONG)
         return "rank 0", first, second
     finally:
-        try:
-            comm.close()
-        except GpucollError:
-            pass
+        _close_quietly(comm)
 
 
 @pytest.mark.parametrize("transport", TRANSPORTS)
@@ -610,10 +611,7 @@ def _disagree(rank, n, addr, case):
     except GpucollError as exc:
         return _outcome(exc, side, "started")
     finally:
-        try:
-            comm.close()
-        except GpucollError:
-            pass
+        _close_quietly(comm)
     return None
 
 
@@ -647,10 +645,7 @@ def _late_root(rank, n, addr):
     except GpucollError as exc:
         return _outcome(exc, side, "started")
     finally:
-        try:
-            comm.close()
-        except GpucollError:
-            pass
+        _close_quietly(comm)
     return None
 
 
@@ -742,6 +737,118 @@ def _check_stopped(results: list, n: int) -> None:
     # others' data was already there; then close() reports it)
     kind, _, text = results[victim]
     assert kind == "CollectiveTimeout" and "Where the ranks are" in text, text
+
+
+# -- 10. a rank that gives up says why: abort(), a with block, an uncaught exception --------
+
+def _one_rank_gives_up(rank, n, addr, how):
+    """The last rank gives up while the others wait for it in an all_reduce; it then tries a
+    call of its own and closes."""
+    side = _side(addr)
+    quitter = n - 1
+    comm = _open(rank, n, addr)
+    if rank != quitter:
+        try:
+            comm.barrier()  # (the quitter may leave it first and give up before it ends here)
+            comm.all_reduce(np.ones(4))
+        except GpucollError as exc:
+            return _outcome(exc, side, "gave up")
+        finally:
+            _close_quietly(comm)
+        return None
+    comm.barrier()
+    side.set("gave up", repr(time.time()))
+    if how == "abort":
+        comm.abort("the checkpoint could not be written")
+    else:
+        try:
+            with comm:
+                raise ValueError("loss is NaN at step 7")
+        except ValueError:
+            return comm.closed
+    try:
+        comm.all_reduce(np.ones(4))
+        after = None
+    except GpucollError as exc:
+        after = str(exc)
+    comm.close()  # after an abort it only releases: no error
+    return after
+
+
+@pytest.mark.parametrize("transport", TRANSPORTS)
+@pytest.mark.parametrize("n", WORLDS)
+@pytest.mark.parametrize("how, reason", [("abort", "the checkpoint could not be written"),
+                                         ("with", "ValueError: loss is NaN at step 7")])
+def test_a_rank_that_gives_up_fails_its_peers_at_once_with_its_reason(store_addr, transport, n,
+                                                                      how, reason):
+    outcomes = spawn(_one_rank_gives_up, n, store_addr, how, env=_env(transport), check=False)
+    for o in outcomes[:-1]:
+        _check(o, PeerFailure, n - 1, f"rank {n - 1}", "aborted", reason)
+    after = outcomes[-1].value
+    if how == "with":  # the block closed it
+        assert after is True, outcomes[-1]
+    else:  # its own later calls say why it is unusable
+        assert after is not None and "aborted" in after and reason in after, outcomes[-1]
+
+
+def _aborted_from_a_thread(rank, n, addr):
+    """Rank 0 waits in an all_reduce for rank 1, which holds back; a watchdog thread of rank 0
+    aborts the communicator, which ends the wait; rank 1 then finds it aborted."""
+    side = _side(addr)
+    comm = _open(rank, n, addr)
+    comm.barrier()
+    try:
+        if rank == 0:
+            threading.Timer(0.5, comm.abort, ("the step took too long",)).start()
+            side.set("gave up", repr(time.time() + 0.5))
+            comm.all_reduce(np.ones(4))
+        else:
+            side.wait(["raised/0"], timeout=LONG)
+            # rank 0's message may have come before its abort: the call then completes, right,
+            # and close() says what became of rank 0
+            comm.all_reduce(np.ones(4))
+            comm.close()
+    except GpucollError as exc:
+        return _outcome(exc, side, "gave up")
+    finally:
+        if rank == 0:
+            side.set("raised/0", b"")
+        _close_quietly(comm)
+    return None
+
+
+@pytest.mark.parametrize("transport", TRANSPORTS)
+def test_abort_from_another_thread_ends_the_call_this_rank_is_in(store_addr, transport):
+    mine, theirs = spawn(_aborted_from_a_thread, 2, store_addr, env=_env(transport),
+                         check=False)
+    _check(mine, GpucollError, None, "aborted", "the step took too long")
+    _check(theirs, PeerFailure, 0, "rank 0", "the step took too long")
+
+
+UNCAUGHT = """
+import time
+import numpy as np
+import gpucoll
+
+comm = gpucoll.init()
+comm.barrier()
+if comm.rank == 1:
+    raise RuntimeError("the data loader ran dry")
+try:
+    comm.all_reduce(np.ones(4))
+except gpucoll.PeerFailure as exc:
+    print(f"PEERFAILURE peer={exc.peer} {exc}", flush=True)
+"""
+
+
+def test_an_uncaught_exception_fails_the_peers_at_once_with_its_text(tmp_path):
+    from launch_helpers import launching, write_script
+
+    with launching(tmp_path) as start:
+        job = start(["-n", "2", write_script(tmp_path, UNCAUGHT)])
+        assert job.finish() == 1, job.text()
+    line, = [t for t in job.out().splitlines() if "PEERFAILURE" in t]
+    assert "peer=1" in line and "uncaught RuntimeError: the data loader ran dry" in line, line
 
 
 # -- 11. weakly ordered CPUs use Unix sockets, not the shared-memory rings ------------------

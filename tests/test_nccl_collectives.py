@@ -77,6 +77,13 @@ def test_a_collective_whose_peer_never_comes_times_out_and_aborts(store_addr):
     assert "aborted" in message
 
 
+def test_a_peer_that_aborts_fails_the_others_call_with_its_reason(store_addr):
+    kind, text = spawn(nccl_ranks.peer_aborts, 2, store_addr, timeout=60)[0]
+    assert kind == "PeerFailure", text
+    assert "rank 1 aborted its communicator" in text and "the loss is NaN at step 7" in text
+    assert float(text.split(" s:")[0]) < 10, text  # the call's timeout is 30 s
+
+
 @pytest.mark.slow
 def test_the_shared_correctness_matrix_passes_through_the_nccl_backend(store_addr):
     reports = spawn(nccl_ranks.collective_matrix, 2, store_addr, timeout=110)

@@ -212,6 +212,24 @@ def test_the_last_rank_to_leave_deletes_the_groups_keys(store_server):
     assert store_server.num_keys() == 1  # no will fired after leaving
 
 
+def test_a_rank_that_aborted_is_named_with_its_reason_and_its_group_still_cleans_up(
+        store_server):
+    clients = [TCPStore("127.0.0.1", store_server.port, timeout=10) for _ in range(2)]
+    spaces = [PrefixStore("job/comm0", c) for c in clients]
+    lives = [Liveness(space, r, 2) for r, space in enumerate(spaces)]
+    lives[1].leave(aborted="the loss is NaN")
+    with pytest.raises(PeerFailure) as caught:
+        lives[0].check("split")
+    assert caught.value.peer == 1
+    assert str(caught.value) == ("rank 1 aborted its communicator during split on rank 0 of 2: "
+                                 "the loss is NaN")
+    leave_group(spaces[1], 1, 2, aborted="the loss is NaN")  # (its close, after the abort)
+    leave_group(spaces[0], 0, 2)
+    assert store_server.num_keys() == 0
+    for c in clients:
+        c.close()
+
+
 def test_a_group_with_a_dead_rank_keeps_its_keys(store_server):
     dead = TCPStore("127.0.0.1", store_server.port, timeout=10)
     Liveness(PrefixStore("job/comm0", dead), 1, 2)

@@ -93,6 +93,9 @@ class RingBackend(GroupedRing, Backend):
         self._error: BaseException | None = None
         self._closed = False
         self._released = False  # connections closed (after close() or a failure)
+        # held while the first failure is recorded and told to the peers: the connections are
+        # not closed under a thread that is telling them (the peers would see only a death)
+        self._telling = threading.RLock()
         self._lock = threading.Lock()  # held by the thread that drives the engine
         self._waiting = 0  # threads that want the lock (the worker yields it to them)
         self._queue: queue.SimpleQueue = queue.SimpleQueue()
@@ -272,11 +275,12 @@ class RingBackend(GroupedRing, Backend):
 
     def _poison(self, exc: BaseException) -> None:
         """Remember the first failure and tell every peer, so nobody waits for this rank."""
-        if self._error is not None:
-            return
-        self._error = exc
-        peer = getattr(exc, "peer", None)
-        self._tell_peers(exc, peer if isinstance(peer, int) else self.rank)
+        with self._telling:
+            if self._error is not None:
+                return
+            self._error = exc
+            peer = getattr(exc, "peer", None)
+            self._tell_peers(exc, peer if isinstance(peer, int) else self.rank)
 
     def _tell_peers(self, exc: BaseException, culprit: int) -> None:
         """Send every peer an abort: ``exc``'s kind, the rank to blame, the bytes consumed."""
@@ -300,9 +304,10 @@ class RingBackend(GroupedRing, Backend):
         if self._error is not None:
             self._engine.fail_background(self._unusable("non-blocking send/recv"))
         if not self._released:
-            self._released = True
-            self._monitor.stop()
-            self._mesh.close()
+            with self._telling:
+                self._released = True
+                self._monitor.stop()
+                self._mesh.close()
 
     def _diagnosed(self, exc: CollectiveTimeout) -> CollectiveTimeout:
         """``exc`` with a line saying where every rank is: peers answer over their control

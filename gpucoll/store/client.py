@@ -747,12 +747,14 @@ class Liveness:
             return None
         return cls(store, rank, size)
 
-    def leave(self) -> None:
-        """Clean exit: withdraw the will and set ``gone/{rank} = b"closed"``. Idempotent; never
-        raises (the store may be gone already)."""
+    def leave(self, aborted: str | None = None) -> None:
+        """Clean exit: withdraw the will and set ``gone/{rank} = b"closed"`` (or, with
+        ``aborted``, ``b"aborted: <aborted>"``: peers waiting in the store learn why).
+        Idempotent; never raises (the store may be gone already)."""
         if not self._left:
             self._left = True
-            _mark_closed(self.store, self.rank, time.monotonic() + LEAVE_TIMEOUT)
+            _mark_gone(self.store, self.rank, time.monotonic() + LEAVE_TIMEOUT,
+                       _aborted(aborted))
 
     def check(self, what: str, ranks: Sequence[int] | None = None) -> None:
         """Raise PeerFailure naming the ranks (of ``ranks``; by default all others) found gone,
@@ -763,7 +765,8 @@ class Liveness:
             raise _gone(others, what, self.rank, self.size)
 
     def gone(self) -> dict[int, str]:
-        """``{rank: "died" | "closed"}`` for the ranks whose ``gone/`` key exists (one peek)."""
+        """``{rank: "died" | "closed" | "aborted: <why>"}`` for the ranks whose ``gone/`` key
+        exists (one peek)."""
         values = self.store.peek(self._keys)
         found = {r: v.decode("utf-8", "replace") for r, v in enumerate(values) if v is not None}
         if self._earlier is not None:
@@ -897,31 +900,43 @@ def agree_survivors(store: Any, rank: int, size: int, liveness: Liveness, timeou
     return members
 
 
-def leave_group(store: Any, rank: int, size: int) -> None:
+def leave_group(store: Any, rank: int, size: int, aborted: str | None = None) -> None:
     """This rank is done with a group's namespace ``store``: it withdraws its will, marks itself
-    closed, and the rank that finds every rank closed deletes the whole namespace, so a group
-    that closes leaves no keys behind. A group with a dead rank keeps its keys (the next start-up
-    in the store skips and removes them). Never raises; takes at most ``LEAVE_TIMEOUT``."""
+    closed (or keeps saying it aborted, with ``aborted``, the reason), and the rank that finds
+    every rank gone that way deletes the whole namespace, so a group that closes leaves no keys
+    behind. A group with a dead rank keeps its keys (the next start-up in the store skips and
+    removes them). Never raises; takes at most ``LEAVE_TIMEOUT``."""
     deadline = time.monotonic() + LEAVE_TIMEOUT
-    if not _mark_closed(store, rank, deadline):
+    if not _mark_gone(store, rank, deadline, _aborted(aborted)):
         return
     try:
         states = store.peek([_GONE.format(r) for r in range(size)], timeout=_left(deadline))
-        if all(s == b"closed" for s in states):
+        if all(s == b"closed" or s is not None and s.startswith(_ABORTED) for s in states):
             store.delete_prefix("", timeout=_left(deadline))
     except (GpucollError, OSError):
         pass
 
 
-def _mark_closed(store: Any, rank: int, deadline: float) -> bool:
-    """Withdraw ``rank``'s will and set its ``gone/`` key to closed; False if the store failed."""
+def _mark_gone(store: Any, rank: int, deadline: float, how: bytes = b"closed") -> bool:
+    """Withdraw ``rank``'s will and set its ``gone/`` key to ``how`` (closed, or aborted and
+    why); False if the store failed."""
     key = _GONE.format(rank)
     try:
         store.clear_will(key, timeout=_left(deadline))
-        store.set(key, b"closed")
+        store.set(key, how)
         return True
     except (GpucollError, OSError):
         return False
+
+
+_ABORTED = b"aborted"
+
+
+def _aborted(reason: str | None) -> bytes:
+    """The ``gone/`` value of a rank that aborted for ``reason`` (None: it closed)."""
+    if reason is None:
+        return b"closed"
+    return _ABORTED + b": " + reason.encode("utf-8", "replace")[:1000]
 
 
 def store_host_rank(store: Any) -> int | None:
@@ -939,15 +954,18 @@ def _left(deadline: float) -> float:
 
 
 def _gone(others: dict[int, str], what: str, rank: int, size: int) -> PeerFailure:
-    """The PeerFailure for ranks found gone: those that died first, then those that closed."""
-    died = sorted(r for r, how in others.items() if how != "closed")
+    """The PeerFailure for ranks found gone: those that aborted first (they say why), then
+    those that died, then those that closed."""
+    aborted = sorted(r for r, how in others.items() if how.startswith("aborted"))
     closed = sorted(r for r, how in others.items() if how == "closed")
+    died = sorted(set(others) - set(aborted) - set(closed))
     where = f"during {what} on rank {rank} of {size}"
-    parts = []
+    parts = [f"rank {r} aborted its communicator {where}{others[r][len('aborted'):]}"
+             for r in aborted]
     if died:
         parts.append(f"{ranks_text(died)} died {where} (the process ended or lost its connection "
                      f"to the store)")
     if closed:
         parts.append(f"{ranks_text(closed)} closed {'its' if len(closed) == 1 else 'their'} "
                      f"communicator {where}")
-    return PeerFailure("; ".join(parts), peer=(died or closed)[0])
+    return PeerFailure("; ".join(parts), peer=(aborted or died or closed)[0])
