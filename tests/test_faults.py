@@ -596,18 +596,23 @@ CALLS = {
 }
 
 
-def _disagree(rank, n, addr, case):
-    """Rank 1 calls something else. Calls that only send (a broadcast's root) may return; the
-    disagreement is then caught by the next receive or, here, by close(). A rank still finishing
-    the barrier when a peer that left it first sees the disagreement fails in the barrier: the
-    notice may overtake the barrier's last message, which comes over another connection."""
+def _disagree(rank, n, addr, case, late=False):
+    """Rank 1 calls something else (with ``late``, only after rank 2 has closed). Calls that only
+    send (a broadcast's root) may return; the disagreement is then caught by the next receive
+    or, here, by close(). A rank still finishing the barrier when a peer that left it first sees
+    the disagreement fails in the barrier: the notice may overtake the barrier's last message,
+    which comes over another connection."""
     side = _side(addr)
     comm = _open(rank, n, addr)
     try:
         comm.barrier()
+        if late and rank == 1:
+            side.wait(["closed/2"], timeout=LONG)
         side.set("started", repr(time.time()))
         CALLS[case](comm, rank == 1)
         comm.close()
+        if late and rank == 2:
+            side.set("closed/2", b"")
     except GpucollError as exc:
         return _outcome(exc, side, "started")
     finally:
@@ -628,31 +633,11 @@ def test_ranks_that_make_different_calls_all_raise_a_mismatch_naming_both(store_
         _check(o, CollectiveMismatch, None, "disagree")
 
 
-def _late_root(rank, n, addr):
-    """Rank 1 broadcasts as root 1 only after rank 2, which took root 0's data as it expected,
-    has closed: rank 1's message to rank 2 can no longer be delivered."""
-    side = _side(addr)
-    comm = _open(rank, n, addr)
-    try:
-        comm.barrier()
-        if rank == 1:
-            side.wait(["closed/2"], timeout=LONG)
-        side.set("started", repr(time.time()))
-        comm.broadcast(np.ones(4, np.float32), root=1 if rank == 1 else 0)
-        comm.close()
-        if rank == 2:
-            side.set("closed/2", b"")
-    except GpucollError as exc:
-        return _outcome(exc, side, "started")
-    finally:
-        _close_quietly(comm)
-    return None
-
-
 @pytest.mark.parametrize("transport", [*TRANSPORTS, "shm-python"])
 def test_a_root_whose_message_a_finished_and_closed_peer_cannot_take_raises_a_mismatch(
         store_addr, transport):
-    outcomes = spawn(_late_root, 3, store_addr, env=_env(transport), check=False)
+    # rank 2 takes root 0's data, as it expects, and closes before root 1's message can come
+    outcomes = spawn(_disagree, 3, store_addr, "root", True, env=_env(transport), check=False)
     assert outcomes[2].value is None, outcomes[2].value  # it made the call it expected
     _check(outcomes[1], CollectiveMismatch, None, "disagree")
     named, text = outcomes[1].value[1:3]
