@@ -106,6 +106,14 @@ def _abort_on_uncaught(previous: Callable) -> Callable:
     return hook
 
 
+def _gives_up(exc: object) -> bool:
+    """Whether ``exc`` leaving a ``with`` block means the rank gives up: not a failure of the
+    group (already told), nor a generator closed early or ``sys.exit(0)``, which end normally."""
+    if isinstance(exc, SystemExit):
+        return exc.code not in (None, 0)
+    return not isinstance(exc, (GpucollError, GeneratorExit))
+
+
 def _install_abort_hook() -> None:
     if not getattr(sys.excepthook, "gpucoll", False):
         sys.excepthook = _abort_on_uncaught(sys.excepthook)
@@ -731,7 +739,7 @@ class Communicator(OutOfPlaceCalls, UnevenCalls, ObjectCalls, PointToPointCalls,
             self.close()
             return
         try:  # an error is already on its way out: closing must not replace it
-            if not isinstance(exc[0], GpucollError):  # the peers learn why this rank stops
+            if _gives_up(exc[0]):  # the peers learn why this rank stops
                 self.abort(f"{kind.__name__}: {exc[0]}")
             self.close()
         except GpucollError:

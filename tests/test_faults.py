@@ -727,8 +727,9 @@ def _check_stopped(results: list, n: int) -> None:
 # -- 10. a rank that gives up says why: abort(), a with block, an uncaught exception --------
 
 def _one_rank_gives_up(rank, n, addr, how):
-    """The last rank gives up while the others wait for it in an all_reduce; it then tries a
-    call of its own and closes."""
+    """The last rank gives up (``how``: abort, an exception out of a with block, or a
+    ``sys.exit(0)`` out of one, which is no giving up) while the others wait for it in an
+    all_reduce; after an abort it tries a call of its own and closes."""
     side = _side(addr)
     quitter = n - 1
     comm = _open(rank, n, addr)
@@ -748,8 +749,8 @@ def _one_rank_gives_up(rank, n, addr, how):
     else:
         try:
             with comm:
-                raise ValueError("loss is NaN at step 7")
-        except ValueError:
+                raise ValueError("loss is NaN at step 7") if how == "with" else SystemExit(0)
+        except (ValueError, SystemExit):
             return comm.closed
     try:
         comm.all_reduce(np.ones(4))
@@ -758,6 +759,14 @@ def _one_rank_gives_up(rank, n, addr, how):
         after = str(exc)
     comm.close()  # after an abort it only releases: no error
     return after
+
+
+@pytest.mark.parametrize("transport", TRANSPORTS)
+def test_sys_exit_0_out_of_a_with_block_closes_without_aborting(store_addr, transport):
+    waiting, leaving = spawn(_one_rank_gives_up, 2, store_addr, "exit", env=_env(transport),
+                             check=False)
+    _check(waiting, PeerFailure, 1, "rank 1 closed its communicator")
+    assert "aborted" not in waiting.value[2] and leaving.value is True, (waiting, leaving)
 
 
 @pytest.mark.parametrize("transport", TRANSPORTS)
