@@ -53,6 +53,7 @@ from gpucoll.dumps import (
 )
 from gpucoll.errors import GpucollError
 from gpucoll.progress import IN_CALL, Position, ranks_text
+from gpucoll.store import aborted_reason
 
 # -- the command ------------------------------------------------------------------------------
 WAIT_S = 3.0
@@ -249,8 +250,8 @@ class _Case:
             return "died (its process ended or lost the store)"
         if gone == "closed":
             return "closed its communicator"
-        if gone and gone.startswith("aborted"):
-            return f"aborted its communicator{gone[len('aborted'):]}"
+        if (why := aborted_reason(gone)) is not None:
+            return f"aborted its communicator: {why}"
         if fact.get("state") == "stopped":
             return "is stopped (process state T: SIGSTOP, or a debugger)"
         if r not in self.records:

@@ -11,6 +11,7 @@ from gpucoll.store.client import (
     Liveness,
     PrefixStore,
     TCPStore,
+    aborted_reason,
     agree_survivors,
     fetch,
     gather,
@@ -21,5 +22,6 @@ from gpucoll.store.client import (
 )
 from gpucoll.store.server import StoreLimits
 
-__all__ = ["POLL", "Liveness", "PrefixStore", "StoreLimits", "TCPStore", "agree_survivors",
-           "fetch", "gather", "leave_group", "parse_address", "share", "wait_for_ranks"]
+__all__ = ["POLL", "Liveness", "PrefixStore", "StoreLimits", "TCPStore", "aborted_reason",
+           "agree_survivors", "fetch", "gather", "leave_group", "parse_address", "share",
+           "wait_for_ranks"]

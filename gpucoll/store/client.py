@@ -754,7 +754,7 @@ class Liveness:
         if not self._left:
             self._left = True
             _mark_gone(self.store, self.rank, time.monotonic() + LEAVE_TIMEOUT,
-                       _aborted(aborted))
+                       _gone_value(aborted))
 
     def check(self, what: str, ranks: Sequence[int] | None = None) -> None:
         """Raise PeerFailure naming the ranks (of ``ranks``; by default all others) found gone,
@@ -907,11 +907,12 @@ def leave_group(store: Any, rank: int, size: int, aborted: str | None = None) ->
     behind. A group with a dead rank keeps its keys (the next start-up in the store skips and
     removes them). Never raises; takes at most ``LEAVE_TIMEOUT``."""
     deadline = time.monotonic() + LEAVE_TIMEOUT
-    if not _mark_gone(store, rank, deadline, _aborted(aborted)):
+    if not _mark_gone(store, rank, deadline, _gone_value(aborted)):
         return
     try:
         states = store.peek([_GONE.format(r) for r in range(size)], timeout=_left(deadline))
-        if all(s == b"closed" or s is not None and s.startswith(_ABORTED) for s in states):
+        if all(s is not None and (s == b"closed" or aborted_reason(s.decode("utf-8", "replace"))
+                                  is not None) for s in states):
             store.delete_prefix("", timeout=_left(deadline))
     except (GpucollError, OSError):
         pass
@@ -929,14 +930,19 @@ def _mark_gone(store: Any, rank: int, deadline: float, how: bytes = b"closed") -
         return False
 
 
-_ABORTED = b"aborted"
+_ABORTED = "aborted: "  # the start of the ``gone/`` value of a rank that aborted, then why
 
 
-def _aborted(reason: str | None) -> bytes:
-    """The ``gone/`` value of a rank that aborted for ``reason`` (None: it closed)."""
-    if reason is None:
+def _gone_value(aborted: str | None) -> bytes:
+    """The ``gone/`` value of a rank that leaves: closed, or aborted for ``aborted``."""
+    if aborted is None:
         return b"closed"
-    return _ABORTED + b": " + reason.encode("utf-8", "replace")[:1000]
+    return (_ABORTED + aborted).encode("utf-8", "replace")[:1000]
+
+
+def aborted_reason(how: str | None) -> str | None:
+    """Why a rank aborted, read from its ``gone/`` value; None when it did not abort."""
+    return how[len(_ABORTED):] if how is not None and how.startswith(_ABORTED) else None
 
 
 def store_host_rank(store: Any) -> int | None:
@@ -956,12 +962,12 @@ def _left(deadline: float) -> float:
 def _gone(others: dict[int, str], what: str, rank: int, size: int) -> PeerFailure:
     """The PeerFailure for ranks found gone: those that aborted first (they say why), then
     those that died, then those that closed."""
-    aborted = sorted(r for r, how in others.items() if how.startswith("aborted"))
+    why = {r: aborted_reason(how) for r, how in others.items()}
+    aborted = sorted(r for r in others if why[r] is not None)
     closed = sorted(r for r, how in others.items() if how == "closed")
     died = sorted(set(others) - set(aborted) - set(closed))
     where = f"during {what} on rank {rank} of {size}"
-    parts = [f"rank {r} aborted its communicator {where}{others[r][len('aborted'):]}"
-             for r in aborted]
+    parts = [f"rank {r} aborted its communicator {where}: {why[r]}" for r in aborted]
     if died:
         parts.append(f"{ranks_text(died)} died {where} (the process ended or lost its connection "
                      f"to the store)")

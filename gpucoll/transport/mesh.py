@@ -721,7 +721,7 @@ class Monitor:
         self._fail(peer, f"rank {peer} sent an unexpected control message {buf[:8]!r}")
         return None
 
-    def _closed(self, peer: int, consumed: int, last_call: int = -1) -> None:
+    def _closed(self, peer: int, consumed: int, last_call: int) -> None:
         self.state.closed_after[peer] = last_call  # (before closed_peers, which the engine reads)
         self.state.closed_peers[peer] = consumed
         self.state.consumed[peer] = consumed
