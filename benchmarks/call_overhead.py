@@ -1,16 +1,17 @@
 """Python-side cost of one collective call on the NCCL backend, with NCCL and CUDA as no-ops.
 
-What is measured is everything gpucoll does around nccl4py's ``allreduce`` & co: argument
-checks, turning the array into a pointer and the pointer into the CuPy view nccl4py reads,
-resolving the stream and ordering it, the device guard, polling the communicator's state,
-recording the completion event and handing it to the watchdog. NCCL's and CUDA's own cost is
-left out (their calls return at once), and so is CuPy's own cost of allocating a result (the
-stand-in allocator hands out a block of one arena, like a warm memory pool, without touching
-memory), so this runs without a GPU. The calls run on rank 0 of a two-rank communicator whose
-NCCL does nothing, so the grouped send/recv paths of gather, scatter and all-to-all run as they
-would across GPUs. On more than one rank the ranks of a scatter first agree on the slot layout
-through the store (the only per-call store traffic; the absent rank 1's side of it is put in the
-store beforehand); a one-rank scatter shows the cost without it. Target: at most 10 us per call.
+What is measured is everything gpucoll does around NCCL's ``ncclAllReduce`` & co (called through
+nccl4py's raw bindings): argument checks, turning the array into an address, a count and a
+datatype code, resolving the stream and ordering it, the device guard, polling the
+communicator's state, recording the completion event and handing it to the watchdog. NCCL's and
+CUDA's own cost is left out (their calls return at once), and so is CuPy's own cost of
+allocating a result (the stand-in allocator hands out a block of one arena, like a warm memory
+pool, without touching memory), so this runs without a GPU. The calls run on rank 0 of a
+two-rank communicator whose NCCL does nothing, so the grouped send/recv paths of gather, scatter
+and all-to-all run as they would across GPUs. On more than one rank the ranks of a scatter first
+agree on the slot layout through the store (the only per-call store traffic; the absent rank 1's
+side of it is put in the store beforehand); a one-rank scatter shows the cost without it.
+Target: at most 10 us per call.
 
 The flight recorder's rows time what the communicator adds to every call for it, alone: making
 the call's entry and stamping its start and end (two clock reads). Its budget is 0.5 us per
@@ -39,6 +40,7 @@ import statistics
 import subprocess
 import sys
 import time
+import types
 from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
@@ -48,7 +50,7 @@ import numpy as np
 from gpucoll import cuda
 from gpucoll.arrays import as_ref
 from gpucoll.backends.nccl import NcclBackend
-from gpucoll.backends.nccl.driver import Driver
+from gpucoll.backends.nccl.driver import DTYPE_CODES, Buf, Calls, Driver
 from gpucoll.communicator import Communicator
 from gpucoll.ops import ReduceOp
 from gpucoll.progress import KIND, Recorder, clock
@@ -58,6 +60,7 @@ TARGET_US = 10.0
 RECORDER_TARGET_US = 0.5  # the flight recorder's share of one call
 DEFAULT_JSON = Path(__file__).resolve().parent.parent / "results" / "call_overhead.json"
 WORLD = 2  # ranks of the no-op communicator; this process is rank 0
+COMPARED = "(not called) "  # a row that times another library's way, for comparison
 
 
 class _DoneEvent:
@@ -69,18 +72,11 @@ class _DoneEvent:
 
 
 class _NoopComm:
-    """nccl4py's Communicator whose calls return at once (as enqueueing on a GPU roughly
-    does) and which is never in progress."""
+    """nccl4py's Communicator, never in progress."""
 
     is_valid = True
+    ptr = 1
 
-    def allreduce(self, *args, **kwargs): pass  # noqa: E704
-    def broadcast(self, *args, **kwargs): pass  # noqa: E704
-    def reduce(self, *args, **kwargs): pass  # noqa: E704
-    def allgather(self, *args, **kwargs): pass  # noqa: E704
-    def reduce_scatter(self, *args, **kwargs): pass  # noqa: E704
-    def send(self, *args, **kwargs): pass  # noqa: E704
-    def recv(self, *args, **kwargs): pass  # noqa: E704
     def get_async_error(self): return 0  # noqa: E704
     def abort(self): pass  # noqa: E704
     def finalize(self): pass  # noqa: E704
@@ -92,6 +88,22 @@ class _NoopNccl:
 
     def group_start(self): pass  # noqa: E704
     def group_end(self): pass  # noqa: E704
+
+
+class _NoopBindings:
+    """nccl4py's raw bindings whose calls return at once (as enqueueing on a GPU roughly
+    does)."""
+
+    class Comm:
+        def __init__(self, handle=0): self.handle = handle  # noqa: E704
+
+    def all_reduce(self, *args): pass  # noqa: E704
+    def broadcast(self, *args): pass  # noqa: E704
+    def reduce(self, *args): pass  # noqa: E704
+    def all_gather(self, *args): pass  # noqa: E704
+    def reduce_scatter(self, *args): pass  # noqa: E704
+    def send(self, *args): pass  # noqa: E704
+    def recv(self, *args): pass  # noqa: E704
 
 
 class _Here:
@@ -147,8 +159,7 @@ class NoopRuntime:
 
     def nccl(self): return _NoopNccl()  # noqa: E704
 
-    def nccl_buffer(self, ptr, count, dtype, device):  # gpucoll's own cost: the CuPy view
-        return cuda.cupy_view(ptr, count, dtype, device)
+    def nccl_bindings(self): return _NoopBindings()  # noqa: E704
 
 
 def _time(fn, calls: int, repeats: int = 5) -> dict[str, float]:
@@ -248,6 +259,35 @@ def recorder_cases() -> list[tuple[str, Any]]:
 
 
 @contextlib.contextmanager
+def binding_cases() -> Iterator[list[tuple[str, Any]]]:
+    """How NCCL is entered, NCCL's entry a no-op: the raw binding call the backend makes (the
+    address, count and datatype code already worked out) beside nccl4py's
+    ``Communicator.allreduce`` on the same memory as a CuPy view, which first resolves both
+    buffers through nccl4py's interop and checks them. No rows without nccl4py."""
+    try:
+        import nccl.bindings.nccl as raw
+        import nccl.core.communicator as nccl4py
+    except ImportError:
+        yield []
+        return
+    host = np.zeros(1024, np.float32)
+    buf = Buf(host.__array_interface__["data"][0], host.size, DTYPE_CODES["float32"])
+    view = cuda.cupy_view(buf.ptr, buf.count, host.dtype, 0)
+    noop = _NoopBindings()
+    calls = Calls(noop, _NoopComm(), 0)
+    comm = nccl4py.Communicator.__new__(nccl4py.Communicator)  # a handle, no NCCL behind it
+    comm._comm, comm._device = raw.Comm(1), types.SimpleNamespace(device_id=0)
+    real, nccl4py._nccl_bindings = nccl4py._nccl_bindings, noop
+    try:
+        yield [("ncclAllReduce entered as the backend does", lambda: calls.allreduce(
+                    buf, buf, 0, stream=0)),
+               (COMPARED + "nccl4py Communicator.allreduce", lambda: comm.allreduce(
+                    view, view, 0, stream=0))]
+    finally:
+        nccl4py._nccl_bindings = real
+
+
+@contextlib.contextmanager
 def store_process(timeout: float = 30.0) -> Iterator[TCPStore]:
     """A client of a store served by another process, as under ``gpucoll run`` (only
     scatter talks to the store per call; an in-process server would add its own work)."""
@@ -283,13 +323,16 @@ def _measure(client: TCPStore, calls: int) -> list[dict[str, Any]]:
         store = PrefixStore("call_overhead", client)
         # rank 0 of WORLD: the NCCL communicator is given, so nobody else needs to start up
         backend = NcclBackend(store, 0, WORLD, timeout=60.0, device=0,
-                              _driver=Driver(_NoopNccl(), _NoopComm(), 0, WORLD, None))
+                              _driver=Driver(_NoopNccl(), _NoopBindings(), _NoopComm(), 0, WORLD,
+                                             None))
         comm = Communicator(backend, store, timeout=60.0)
         solo_store = PrefixStore("solo", client)
         alone = NcclBackend(solo_store, 0, 1, timeout=60.0, device=0,
-                            _driver=Driver(_NoopNccl(), _NoopComm(), 0, 1, None))
+                            _driver=Driver(_NoopNccl(), _NoopBindings(), _NoopComm(), 0, 1, None))
         with comm, Communicator(alone, solo_store, timeout=60.0) as solo:
             rows = [{"case": name, **_time(fn, calls)} for name, fn in recorder_cases()]
+            with binding_cases() as entries:
+                rows += [{"case": name, **_time(fn, calls)} for name, fn in entries]
             for name, fn in cases(comm, backend, solo):
                 if name.startswith("comm.scatter") and not name.endswith("one rank"):
                     fn = _with_absent_peer(comm, store, fn, calls)
@@ -335,7 +378,8 @@ def main(argv: list[str] | None = None) -> int:
     print(f"{'case':<42} {'us/call':>8} {'best':>6} {'cpu':>6}")
     for row in rows:
         target = RECORDER_TARGET_US if row["case"].startswith("recorder:") else TARGET_US
-        flag = "" if row["us_per_call"] <= target else "  over target"
+        mine = not row["case"].startswith(COMPARED)  # not gpucoll's: no target
+        flag = "  over target" if mine and row["us_per_call"] > target else ""
         print(f"{row['case']:<42} {row['us_per_call']:>8.2f} {row['best_us']:>6.2f} "
               f"{row['cpu_us']:>6.2f}{flag}")
     report = {"benchmark": "call_overhead", "target_us": TARGET_US,

@@ -84,7 +84,7 @@ class Runtime(Protocol):
 
     def nccl(self) -> Any: ...
 
-    def nccl_buffer(self, ptr: int, count: int, dtype: np.dtype, device: int) -> Any: ...
+    def nccl_bindings(self) -> Any: ...
 
     def stall(self, stream: int) -> Callable[[], None]: ...
 
@@ -111,10 +111,10 @@ def stream_handle(stream: Any, current: int) -> int:
 
 @functools.lru_cache(maxsize=256)
 def cupy_view(ptr: int, count: int, dtype: np.dtype, device: int) -> Any:
-    """A CuPy array of ``count`` elements at device address ``ptr``, owning nothing: how a
-    pointer is handed to nccl4py, which reads pointer, count, dtype and device off CuPy
-    arrays. Building one calls no CUDA function; the same four values give the same view (it
-    holds no memory, so reusing it is safe)."""
+    """A CuPy array of ``count`` elements at device address ``ptr``, owning nothing (how the
+    runtime runs CuPy's kernels on memory it is given as an address). Building one calls no
+    CUDA function; the same four values give the same view (it holds no memory, so reusing it
+    is safe)."""
     import cupy
 
     mem = cupy.cuda.UnownedMemory(ptr, count * dtype.itemsize, None, device_id=device)
@@ -296,8 +296,10 @@ class CupyRuntime:
 
         return nccl.core
 
-    def nccl_buffer(self, ptr: int, count: int, dtype: np.dtype, device: int) -> Any:
-        return cupy_view(ptr, count, dtype, device)
+    def nccl_bindings(self) -> Any:
+        import nccl.bindings.nccl
+
+        return nccl.bindings.nccl
 
     def stall(self, stream: int) -> Callable[[], None]:
         """Occupy ``stream`` with a kernel that spins until the returned function is called

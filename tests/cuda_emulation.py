@@ -456,8 +456,8 @@ class CudaEmulation:
     def nccl(self) -> Any:
         raise ImportError("this emulation has no NCCL")
 
-    def nccl_buffer(self, ptr: int, count: int, dtype: np.dtype, device: int) -> Any:
-        return cuda.cupy_view(ptr, count, dtype, device)
+    def nccl_bindings(self) -> Any:
+        raise ImportError("this emulation has no NCCL")
 
     # -- for tests
     def synchronize(self, timeout: float = 60.0) -> None:

@@ -1,9 +1,10 @@
 """An emulated nccl4py, so that the NCCL backend runs in tests without a GPU.
 
-``EmulatedRuntime`` is the CUDA emulation (``cuda_emulation``) plus a stand-in for nccl4py's
-``nccl.core`` module. Its ``Communicator`` has the methods of nccl4py's as the backend calls
-them; it resolves buffers with nccl4py's own ``NcclBuffer`` (so it sees what nccl4py would),
-reads and writes memory at those pointers from the stream a call names, and carries data
+``EmulatedRuntime`` is the CUDA emulation (``cuda_emulation``) plus stand-ins for nccl4py's
+``nccl.core`` module (its ``Communicator`` has the methods of nccl4py's as the backend calls
+them) and its raw bindings ``nccl.bindings.nccl`` (the collective and point-to-point functions,
+on a communicator's handle, with addresses, counts and datatype codes as NCCL takes them). A
+call reads and writes memory at those addresses from the stream it names, and data travels
 between processes through a TCPStore. Unique ids, ``NCCLConfig``, ``NCCLError`` and the
 version are the real library's. It is written from nccl.h and NCCL-NOTES.md, independently of
 the backend, and behaves as they say NCCL does:
@@ -15,8 +16,9 @@ the backend, and behaves as they say NCCL does:
   the work is done (forever, if a peer never comes), and any other call meanwhile is misuse.
 - Collectives run on their stream, later; each waits for its peers' data as a kernel would,
   until ``abort`` ends it. ``avg`` on floating types is a premultiply by ``fl(1/n)``, then a sum.
-- ``abort`` frees the communicator: later calls raise ``NcclInvalid``; an abort while another
-  thread is inside a call on it is a use after free.
+- ``abort`` frees the communicator: later calls of its methods raise ``NcclInvalid``, and a
+  call of the bindings on its handle, or an abort while another thread is inside a call on
+  it, is a use after free.
 - ``revoke`` stops the work in flight and keeps the communicator: it is in progress until that
   work has stopped, then serves only ``shrink``, ``split``, ``destroy`` and ``abort`` (any other
   call is misuse; finalize too, as nccl.h says). ``shrink(exclude_ranks, config, flag)`` is
@@ -37,6 +39,7 @@ import os
 import pickle
 import threading
 import time
+import weakref
 from typing import Any
 
 import ml_dtypes
@@ -44,7 +47,6 @@ import nccl.core as _nc
 import numpy as np
 from cuda_emulation import CudaEmulation, FakeDeviceArray, Misuse, host_view
 from nccl.bindings.nccl import NCCLError
-from nccl.core.buffer import NcclBuffer
 
 from gpucoll.errors import StoreTimeout
 from gpucoll.store import TCPStore, parse_address
@@ -72,9 +74,13 @@ class EmulatedRuntime(CudaEmulation):
         super().__init__(devices, hang_timeout)
         self.store = TCPStore(*parse_address(store_addr), timeout=60.0)
         self.module = EmulatedNccl(self)
+        self.bindings = EmulatedBindings(self.module)
 
     def nccl(self) -> EmulatedNccl:
         return self.module
+
+    def nccl_bindings(self) -> EmulatedBindings:
+        return self.bindings
 
     def close(self) -> None:
         super().close()
@@ -107,6 +113,7 @@ class EmulatedNccl:
         self.rt = rt
         self._local = threading.local()
         self.Communicator = type("Communicator", (Communicator,), {"_rt": rt, "_module": self})
+        self.handles: weakref.WeakValueDictionary = weakref.WeakValueDictionary()
 
     def group(self) -> list | None:
         """The calls of the group this thread is inside, if any."""
@@ -131,6 +138,62 @@ class EmulatedNccl:
                 comm = group[0].comm
                 with comm._inside_call("group_end"):
                     comm._launch(group)
+
+
+class EmulatedBindings:
+    """Stands in for nccl4py's raw bindings (``nccl.bindings.nccl``): the functions the backend
+    calls, with their parameters in nccl.h's order. A handle (``Comm``) names a communicator of
+    ``module`` by its ``ptr``; NULL is an invalid argument, and a freed one a use after free."""
+
+    NCCLError = NCCLError
+
+    class Comm:
+        """A communicator's handle, owning nothing (as the bindings' ``Comm``)."""
+
+        def __init__(self, handle: int = 0):
+            self.handle = handle
+
+    def __init__(self, module: EmulatedNccl):
+        self._module = module
+
+    def all_reduce(self, sendbuff, recvbuff, count, datatype, op, comm, stream) -> None:
+        self._call(comm, "allreduce", stream, send=sendbuff, recv=recvbuff, count=count,
+                   dtype=datatype, op=op)
+
+    def reduce(self, sendbuff, recvbuff, count, datatype, op, root, comm, stream) -> None:
+        self._call(comm, "reduce", stream, send=sendbuff, recv=recvbuff, count=count,
+                   dtype=datatype, op=op, root=root)
+
+    def broadcast(self, sendbuff, recvbuff, count, datatype, root, comm, stream) -> None:
+        self._call(comm, "broadcast", stream, send=sendbuff, recv=recvbuff, count=count,
+                   dtype=datatype, root=root)
+
+    def all_gather(self, sendbuff, recvbuff, sendcount, datatype, comm, stream) -> None:
+        self._call(comm, "allgather", stream, send=sendbuff, recv=recvbuff, count=sendcount,
+                   dtype=datatype)
+
+    def reduce_scatter(self, sendbuff, recvbuff, recvcount, datatype, op, comm, stream) -> None:
+        self._call(comm, "reduce_scatter", stream, send=sendbuff, recv=recvbuff,
+                   count=recvcount, dtype=datatype, op=op)
+
+    def send(self, sendbuff, count, datatype, peer, comm, stream) -> None:
+        self._call(comm, "send", stream, send=sendbuff, count=count, dtype=datatype, peer=peer)
+
+    def recv(self, recvbuff, count, datatype, peer, comm, stream) -> None:
+        self._call(comm, "recv", stream, recv=recvbuff, count=count, dtype=datatype, peer=peer)
+
+    def _call(self, handle: Comm, name: str, stream: int, **args: int) -> None:
+        if not isinstance(handle, self.Comm):  # the bindings' own conversion error
+            raise TypeError(f"Cannot convert {type(handle).__name__} to Comm")
+        comm = self._module.handles.get(handle.handle)
+        if comm is None or not comm.is_valid:
+            if handle.handle:
+                self._module.rt.report(f"{name} on a freed communicator (use after free)")
+            raise NCCLError(INVALID_ARGUMENT)
+        args = {k: _c_int(v, k) if k in ("dtype", "op", "root", "peer") else _c_size(v, k)
+                for k, v in args.items()}
+        with comm._api(name):
+            comm._submit(Op(comm, name, stream=comm._stream(stream), **args))
 
 
 class Op:
@@ -169,6 +232,14 @@ def _c_int(value: int, what: str) -> int:
     return value
 
 
+def _c_size(value: int, what: str) -> int:
+    """What the bindings' conversion of an address or a count (intptr_t, size_t) does."""
+    value = int(value)
+    if value < 0:
+        raise OverflowError(f"can't convert negative value to size_t ({what}={value})")
+    return value
+
+
 class Communicator:
     """nccl4py's ``Communicator`` (the methods the backend calls), over emulated memory."""
 
@@ -198,6 +269,7 @@ class Communicator:
         self._blocking = blocking
         self._prefix = "emu/" + hashlib.sha1(uid).hexdigest()[:20]
         self._valid = True
+        self._module.handles[id(self)] = self
         self._state = SUCCESS
         self._aborted = threading.Event()
         self._connected: set = set()
@@ -454,75 +526,6 @@ class Communicator:
 
             self._meanwhile("split", work, also=child if color != -1 else None)
             return child
-
-    def allreduce(self, sendbuf, recvbuf, op, *, stream=None, config=None) -> None:
-        with self._api("allreduce"):
-            s, r = self._pair(sendbuf, recvbuf, "allreduce", recv_at_least=lambda n: n)
-            self._submit(Op(self, "allreduce", s.ptr, r.ptr, s.count, int(s.dtype), int(op),
-                            stream=self._stream(stream)))
-
-    def reduce(self, sendbuf, recvbuf, op, root=None, *, stream=None, config=None) -> None:
-        with self._api("reduce"):
-            s = self._resolve(sendbuf, "sendbuf")
-            r = self._resolve(recvbuf, "recvbuf") if root == self._rank else None
-            self._submit(Op(self, "reduce", s.ptr, r.ptr if r else 0, s.count, int(s.dtype),
-                            int(op), int(root), stream=self._stream(stream)))
-
-    def broadcast(self, sendbuf, recvbuf, root, *, stream=None, config=None) -> None:
-        with self._api("broadcast"):
-            r = self._resolve(recvbuf, "recvbuf")
-            s = self._resolve(sendbuf, "sendbuf") if root == self._rank else None
-            if s is not None and (s.dtype, s.count) != (r.dtype, r.count):
-                raise _nc.NcclInvalid("Buffer count or dtype mismatch")
-            self._submit(Op(self, "broadcast", s.ptr if s else 0, r.ptr, r.count, int(r.dtype),
-                            root=int(root), stream=self._stream(stream)))
-
-    def allgather(self, sendbuf, recvbuf, *, stream=None, config=None) -> None:
-        with self._api("allgather"):
-            s, r = self._pair(sendbuf, recvbuf, "allgather",
-                              recv_at_least=lambda n: n * self._size)
-            self._submit(Op(self, "allgather", s.ptr, r.ptr, s.count, int(s.dtype),
-                            stream=self._stream(stream)))
-
-    def reduce_scatter(self, sendbuf, recvbuf, op, *, stream=None, config=None) -> None:
-        with self._api("reduce_scatter"):
-            s, r = self._pair(sendbuf, recvbuf, "reduce_scatter",
-                              recv_at_least=lambda n: n // self._size)
-            if s.count // self._size < 1:
-                raise _nc.NcclInvalid(f"sendbuf must have at least {self._size} elements")
-            self._submit(Op(self, "reduce_scatter", s.ptr, r.ptr, s.count // self._size,
-                            int(s.dtype), int(op), stream=self._stream(stream)))
-
-    def send(self, sendbuf, peer, *, stream=None) -> None:
-        with self._api("send"):
-            s = self._resolve(sendbuf, "sendbuf")
-            self._submit(Op(self, "send", send=s.ptr, count=s.count, dtype=int(s.dtype),
-                            peer=int(peer), stream=self._stream(stream)))
-
-    def recv(self, recvbuf, peer, *, stream=None) -> None:
-        with self._api("recv"):
-            r = self._resolve(recvbuf, "recvbuf")
-            self._submit(Op(self, "recv", recv=r.ptr, count=r.count, dtype=int(r.dtype),
-                            peer=int(peer), stream=self._stream(stream)))
-
-    # -- what nccl4py checks before NCCL sees the call
-    def _resolve(self, spec: Any, what: str) -> NcclBuffer:
-        buf = NcclBuffer(spec)
-        if buf.device_id != self._device:
-            raise _nc.NcclInvalid(
-                f"{what} is on device {buf.device_id}, but communicator is on device "
-                f"{self._device}. Buffers must be on the same device as the communicator.")
-        return buf
-
-    def _pair(self, sendbuf, recvbuf, name, recv_at_least) -> tuple:
-        s, r = self._resolve(sendbuf, "sendbuf"), self._resolve(recvbuf, "recvbuf")
-        if s.dtype != r.dtype:
-            raise _nc.NcclInvalid(f"Dtype mismatch: sendbuf has dtype {s.dtype}, recvbuf has "
-                                  f"dtype {r.dtype}")
-        if r.count < recv_at_least(s.count):
-            raise _nc.NcclInvalid(f"{name}: recvbuf has {r.count} elements, needs "
-                                  f"{recv_at_least(s.count)}")
-        return s, r
 
     def _stream(self, stream: Any) -> Any:
         """The stream a call names (None: the default stream), on the communicator's device,

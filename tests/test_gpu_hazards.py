@@ -179,7 +179,7 @@ def test_a_failed_communicator_is_aborted_exactly_once_however_often_it_is_ended
 
 def test_an_abort_from_another_thread_waits_until_no_call_is_inside_nccl(rt, solo):
     driver = solo._backend._nc
-    nccl_comm, enqueue = driver.comm, driver.comm.allreduce
+    nccl_comm, enqueue = driver.comm, driver.calls.allreduce
     inside, leave, aborting = threading.Event(), threading.Event(), threading.Event()
 
     def slow_allreduce(*args, **kwargs):  # a call that stays inside NCCL until let go
@@ -214,7 +214,7 @@ def test_an_abort_from_another_thread_waits_until_no_call_is_inside_nccl(rt, sol
         except GpucollError as exc:
             raised.append(str(exc))
 
-    nccl_comm.allreduce = slow_allreduce
+    driver.calls.allreduce = slow_allreduce
     driver._lock = NotingLock(driver._lock)
     caller = threading.Thread(target=call)
     aborter = threading.Thread(target=abort)

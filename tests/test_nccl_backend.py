@@ -12,6 +12,7 @@ from nccl_emulation import INVALID_ARGUMENT, FakeDeviceArray, NCCLError
 from gpucoll import cuda
 from gpucoll.arrays import as_ref
 from gpucoll.backends.nccl import NcclBackend
+from gpucoll.backends.nccl.driver import DTYPE_CODES, Buf, Calls
 from gpucoll.errors import CollectiveTimeout, NcclFailure
 from gpucoll.ops import ReduceOp
 from gpucoll.store import PrefixStore
@@ -107,40 +108,60 @@ def comm(rt):
     c.destroy()
 
 
+def calls(rt, comm):
+    """NCCL's calls on ``comm`` as the backend makes them (the raw bindings)."""
+    return Calls(rt.nccl_bindings(), comm, comm.rank)
+
+
 def buf(rt, n, dtype=np.float32, offset=0, count=None):
-    """A buffer of ``n`` elements and a cupy view of ``count`` of them from ``offset``."""
+    """A buffer of ``n`` elements and ``count`` of them from ``offset`` as NCCL takes them."""
     arr = FakeDeviceArray(np.zeros(n, dtype), rt)
-    view = rt.nccl_buffer(arr.ptr + offset * arr.dtype.itemsize,
-                          n - offset if count is None else count, arr.dtype, 0)
-    return arr, view
+    return arr, Buf(arr.ptr + offset * arr.dtype.itemsize, n - offset if count is None else count,
+                    DTYPE_CODES[arr.dtype.name])
 
 
 def test_emulation_rejects_unknown_op_codes(rt, comm):
     arr, b = buf(rt, 4)
     with pytest.raises(NCCLError) as info:
-        comm.allreduce(b, b, 5)
+        calls(rt, comm).allreduce(b, b, 5, stream=0)
     assert info.value.status == INVALID_ARGUMENT and "op 5" in rt.misuse[0]
+
+
+def test_emulation_refuses_a_null_handle_and_calls_a_freed_one_a_use_after_free(rt):
+    nc = rt.nccl()
+    raw = rt.nccl_bindings()
+    arr, b = buf(rt, 4)
+    with pytest.raises(NCCLError) as info:
+        raw.all_reduce(b.ptr, b.ptr, 4, 7, 0, raw.Comm(0), 0)
+    assert info.value.status == INVALID_ARGUMENT and rt.misuse == []
+    freed = nc.Communicator.init(1, 0, nc.get_unique_id())
+    handle = raw.Comm(freed.ptr)
+    freed.abort()
+    with pytest.raises(NCCLError):
+        raw.all_reduce(b.ptr, b.ptr, 4, 7, 0, handle, 0)
+    assert any("use after free" in m for m in rt.misuse)
+    rt.misuse.clear()
 
 
 def test_emulation_rejects_a_count_past_the_allocation(rt, comm):
     arr, b = buf(rt, 200, count=1000)
     with pytest.raises(NCCLError):
-        comm.allreduce(b, b, 0)
+        calls(rt, comm).allreduce(b, b, 0, stream=0)
     assert "not inside one device allocation" in rt.misuse[0]
 
 
 def test_emulation_rejects_roots_and_peers_out_of_range(rt, comm):
     arr, b = buf(rt, 4)
     with pytest.raises(NCCLError):
-        comm.broadcast(b, b, 1)
+        calls(rt, comm).broadcast(b, b, 1, stream=0)
     with pytest.raises(NCCLError):
-        comm.send(b, 3)
+        calls(rt, comm).send(b, 3, stream=0)
 
 
 def test_emulation_rejects_unknown_streams_and_group_end_without_start(rt, comm):
     arr, b = buf(rt, 4)
     with pytest.raises(NCCLError, match="UnhandledCudaError"):
-        comm.allreduce(b, b, 0, stream=0xDEAD)
+        calls(rt, comm).allreduce(b, b, 0, stream=0xDEAD)
     with pytest.raises(NCCLError, match="InvalidUsage"):
         rt.nccl().group_end()
 
@@ -148,10 +169,9 @@ def test_emulation_rejects_unknown_streams_and_group_end_without_start(rt, comm)
 def test_emulation_rejects_overlap_that_is_not_the_in_place_layout(rt, comm):
     arr, _ = buf(rt, 8)
     with pytest.raises(NCCLError):
-        comm.allreduce(rt.nccl_buffer(arr.ptr, 4, arr.dtype, 0),
-                       rt.nccl_buffer(arr.ptr + 4, 4, arr.dtype, 0), 0)
-    whole = rt.nccl_buffer(arr.ptr, 8, arr.dtype, 0)
-    comm.allgather(whole, whole)  # rank 0's slot is the send buffer: in place
+        calls(rt, comm).allreduce(Buf(arr.ptr, 4, 7), Buf(arr.ptr + 4, 4, 7), 0, stream=0)
+    whole = Buf(arr.ptr, 8, 7)
+    calls(rt, comm).allgather(whole, whole, stream=0)  # rank 0's slot is the send buffer: in place
     rt.synchronize()
 
 
@@ -160,8 +180,8 @@ def test_emulation_reports_a_receive_that_meets_a_send_of_another_count(rt, comm
     a4, four = buf(rt, 4)  # the arrays stay referenced while NCCL uses their memory
     a2, two = buf(rt, 2)
     rt.nccl().group_start()
-    comm.send(four, 0)
-    comm.recv(two, 0)
+    calls(rt, comm).send(four, 0, stream=0)
+    calls(rt, comm).recv(two, 0, stream=0)
     rt.nccl().group_end()
     rt.synchronize()
     assert any("met a send of 4" in m for m in rt.misuse)
@@ -210,7 +230,8 @@ def test_emulation_calls_an_abort_under_a_call_of_another_thread_a_use_after_fre
     comm = nc.Communicator.init(2, 0, uid)
     peer.join(10)
     arr, b = buf(rt, 4)
-    inside = threading.Thread(target=lambda: pytest.raises(NCCLError, comm.allreduce, b, b, 0))
+    inside = threading.Thread(target=lambda: pytest.raises(
+        NCCLError, calls(rt, comm).allreduce, b, b, 0, stream=0))
     inside.start()  # the first collective: blocks in the call until rank 1 connects (never)
     while not comm._inside:
         threading.Event().wait(0.001)

@@ -26,6 +26,8 @@ def test_call_overhead_benchmark_times_every_collective_with_and_without_out(tmp
         assert any(f"comm.{name}(" in case and "out=" in case for case in cases), name
     assert all(row["us_per_call"] > 0 for row in rows)
     assert "comm.all_gather(x) (allocates out)" in proc.stdout
+    assert {"ncclAllReduce entered as the backend does",
+            "(not called) nccl4py Communicator.allreduce"} <= set(cases)
 
 
 def test_call_overhead_benchmark_writes_under_results_by_default():

@@ -55,7 +55,6 @@ from __future__ import annotations
 import collections
 import copy
 import dataclasses
-import importlib
 import json
 import os
 import socket
@@ -64,13 +63,13 @@ import time
 from collections.abc import Callable, Sequence
 from typing import Any
 
-import numpy as np
-
 from gpucoll import cuda
 from gpucoll.backends import Backend
 from gpucoll.backends.nccl.driver import (
+    DTYPE_CODES,
     IN_PROGRESS,
     SUCCESS,
+    Buf,
     Driver,
     failure,
     reduce_plan,
@@ -90,7 +89,7 @@ from gpucoll.rendezvous import local_rank
 from gpucoll.store import Liveness, fetch, gather, share, wait_for_ranks
 from gpucoll.work import Work, wait_event
 
-_INT32 = np.dtype(np.int32)
+_INT32 = DTYPE_CODES["int32"]
 # a member's vote on ncclCommShrink: "0" its communicator cannot, "1" it can (healthy), "2" it
 # can, revoked after a failure (then every member shrinks with NCCL_SHRINK_ABORT)
 SHRINK_VOTE = "nccl/shrink/{}"
@@ -104,26 +103,15 @@ def same_stream(a: int, b: int) -> bool:
     return a == b or (a in (0, cuda.STREAM_LEGACY) and b in (0, cuda.STREAM_LEGACY))
 
 
-def load_nccl(rt: Any, rank: int) -> Any:
-    """nccl4py's ``nccl.core`` through the runtime, or BackendUnavailable saying why."""
+def load_nccl(rt: Any, rank: int) -> tuple[Any, Any]:
+    """nccl4py's ``nccl.core`` and its raw bindings through the runtime, or BackendUnavailable
+    saying why."""
     try:
-        nc = rt.nccl()
+        return rt.nccl(), rt.nccl_bindings()
     except Exception as exc:  # noqa: BLE001 - ImportError, or a library that fails to load
         raise BackendUnavailable(
             f"nccl backend on rank {rank}: nccl4py cannot be loaded ({type(exc).__name__}: "
             f"{exc}); install gpucoll[cuda12]") from exc
-    _warm_buffer_imports()
-    return nc
-
-
-def _warm_buffer_imports() -> None:
-    """nccl4py resolves every buffer through its torch interop first, which imports torch (a
-    second or more) at the first call wherever torch is installed: import it now, within
-    start-up's deadline, so that the first collective's deadline does not pay for it."""
-    try:
-        importlib.import_module("nccl.core.interop.torch")
-    except Exception:  # noqa: BLE001 - no torch (or an older nccl4py): nothing to warm
-        pass
 
 
 # ---- start-up through the store: device choice, arrival, the unique id ---------------------------
@@ -210,10 +198,10 @@ class NcclBackend(Backend):
             ok, why = rt.available()
             if not ok:
                 raise BackendUnavailable(f"nccl backend on rank {rank}: {why}")
-            nc = load_nccl(rt, rank)
+            nc, raw = load_nccl(rt, rank)
             self.device = pick_device(rt, rank, device)
             rt.set_device(self.device)
-            _driver = self._start(nc, store, rank, size, timeout,
+            _driver = self._start(nc, raw, store, rank, size, timeout,
                                   Liveness.of(store, rank, size))
         else:
             self.device = device
@@ -227,7 +215,7 @@ class NcclBackend(Backend):
         self._watchdog = Watchdog(rank, size, self._check_async, self._fail, _driver.liveness,
                                   positions)
 
-    def _start(self, nc: Any, store: Any, rank: int, size: int, timeout: float,
+    def _start(self, nc: Any, raw: Any, store: Any, rank: int, size: int, timeout: float,
                liveness: Liveness | None) -> Driver:
         """Arrival, the unique id, then the communicator of ``rank`` of ``size`` meeting in
         ``store``, all within one deadline."""
@@ -236,7 +224,7 @@ class NcclBackend(Backend):
         uid = share_unique_id(store, rank, nc, _left(deadline), liveness)
         enter(store, rank)
         with self._rt.using_device(self.device):
-            return Driver.create(nc, size, rank, uid, deadline=deadline, timeout=timeout,
+            return Driver.create(nc, raw, size, rank, uid, deadline=deadline, timeout=timeout,
                                  liveness=liveness,
                                  diagnose=lambda: not_entered(store, rank, size))
 
@@ -284,9 +272,6 @@ class NcclBackend(Backend):
         self._last = Pending(event, deadline, opname, timeout, keep)
         self._watchdog.add(self._last)
 
-    def _buf(self, ptr: int, count: int, dtype: np.dtype) -> Any:
-        return self._rt.nccl_buffer(ptr, count, dtype, self.device)
-
     def _run(self, opname: str, fn: Callable, *args: Any, deadline: float, timeout: float,
              **kwargs: Any) -> None:
         self._nc.call(opname, fn, *args, deadline=deadline, timeout=timeout, **kwargs)
@@ -304,14 +289,14 @@ class NcclBackend(Backend):
             s = self._begin("all_reduce", stream, timeout, (x,))
             keep = None
             if x.count and plan.native:
-                buf = self._buf(x.ptr, x.count * plan.factor, plan.dtype)
-                self._run("all_reduce", self._nc.comm.allreduce, buf, buf, plan.op, stream=s,
+                buf = Buf(x.ptr, x.count * plan.factor, plan.code)
+                self._run("all_reduce", self._nc.calls.allreduce, buf, buf, plan.op, stream=s,
                           deadline=deadline, timeout=timeout)
             elif x.count:  # all-gather every rank's x, then reduce the slots locally
                 n = x.count * plan.factor
                 keep = self._rt.alloc_device(self.size * x.nbytes, s)
-                self._run("all_reduce", self._nc.comm.allgather, self._buf(x.ptr, n, plan.dtype),
-                          self._buf(keep.ptr, self.size * n, plan.dtype), stream=s,
+                self._run("all_reduce", self._nc.calls.allgather, Buf(x.ptr, n, plan.code),
+                          Buf(keep.ptr, self.size * n, plan.code), stream=s,
                           deadline=deadline, timeout=timeout)
                 self._rt.reduce_slots(op.value, keep.ptr, x.ptr, self.size, x.count, x.dtype, s)
             self._end("all_reduce", s, deadline, timeout, (x, keep))
@@ -322,8 +307,8 @@ class NcclBackend(Backend):
             s = self._begin("broadcast", stream, timeout, (x,))
             if x.count:
                 w = wire(x.dtype)
-                buf = self._buf(x.ptr, x.count * w.factor, w.dtype)
-                self._run("broadcast", self._nc.comm.broadcast, buf, buf, root, stream=s,
+                buf = Buf(x.ptr, x.count * w.factor, w.code)
+                self._run("broadcast", self._nc.calls.broadcast, buf, buf, root, stream=s,
                           deadline=deadline, timeout=timeout)
             self._end("broadcast", s, deadline, timeout, x)
 
@@ -335,8 +320,8 @@ class NcclBackend(Backend):
             s = self._begin("reduce", stream, timeout, (x,))
             keep = None
             if x.count and plan.native:
-                buf = self._buf(x.ptr, x.count * plan.factor, plan.dtype)
-                self._run("reduce", self._nc.comm.reduce, buf, buf, plan.op, root, stream=s,
+                buf = Buf(x.ptr, x.count * plan.factor, plan.code)
+                self._run("reduce", self._nc.calls.reduce, buf, buf, plan.op, root, stream=s,
                           deadline=deadline, timeout=timeout)
             elif x.count:  # gather every rank's x on root, which reduces the slots locally
                 if self.rank == root:
@@ -355,8 +340,8 @@ class NcclBackend(Backend):
             if x.count:
                 w = wire(x.dtype)
                 n = x.count * w.factor
-                self._run("all_gather", self._nc.comm.allgather, self._buf(x.ptr, n, w.dtype),
-                          self._buf(out.ptr, self.size * n, w.dtype), stream=s,
+                self._run("all_gather", self._nc.calls.allgather, Buf(x.ptr, n, w.code),
+                          Buf(out.ptr, self.size * n, w.code), stream=s,
                           deadline=deadline, timeout=timeout)
             self._end("all_gather", s, deadline, timeout, (x, out))
 
@@ -369,9 +354,9 @@ class NcclBackend(Backend):
             keep = None
             n = out.count * plan.factor
             if out.count and plan.native:
-                self._run("reduce_scatter", self._nc.comm.reduce_scatter,
-                          self._buf(x.ptr, self.size * n, plan.dtype),
-                          self._buf(out.ptr, n, plan.dtype), plan.op, stream=s,
+                self._run("reduce_scatter", self._nc.calls.reduce_scatter,
+                          Buf(x.ptr, self.size * n, plan.code),
+                          Buf(out.ptr, n, plan.code), plan.op, stream=s,
                           deadline=deadline, timeout=timeout)
             elif out.count:  # all-to-all brings every rank's slot `rank` here; reduce locally
                 keep = self._rt.alloc_device(x.nbytes, s)
@@ -399,14 +384,14 @@ class NcclBackend(Backend):
             if out.count:
                 w = wire(out.dtype)
                 n, slot = out.count * w.factor, out.nbytes
-                comm = self._nc.comm
+                comm = self._nc.calls
                 if self.rank == root:
-                    calls = [(comm.send, (self._buf(x.ptr + r * slot, n, w.dtype), r),
+                    calls = [(comm.send, (Buf(x.ptr + r * slot, n, w.code), r),
                               {"stream": s}) for r in range(self.size) if r != root]
                     self._nc.group("scatter", calls, deadline=deadline, timeout=timeout)
                     self._copy(out.ptr, x.ptr + root * slot, slot, s)
                 else:
-                    self._run("scatter", comm.recv, self._buf(out.ptr, n, w.dtype), root,
+                    self._run("scatter", comm.recv, Buf(out.ptr, n, w.code), root,
                               stream=s, deadline=deadline, timeout=timeout)
             self._end("scatter", s, deadline, timeout, (x, out))
 
@@ -421,10 +406,10 @@ class NcclBackend(Backend):
             self._end("all_to_all", s, deadline, timeout, (x, out))
 
     def send(self, x: Any, dst: int, *, timeout: float, stream: Any = None) -> None:
-        self._p2p("send", self._nc.comm.send, x, dst, timeout, stream)
+        self._p2p("send", self._nc.calls.send, x, dst, timeout, stream)
 
     def recv(self, x: Any, src: int, *, timeout: float, stream: Any = None) -> None:
-        self._p2p("recv", self._nc.comm.recv, x, src, timeout, stream)
+        self._p2p("recv", self._nc.calls.recv, x, src, timeout, stream)
 
     def _p2p(self, opname: str, fn: Callable, x: Any, peer: int, timeout: float,
              stream: Any) -> None:
@@ -433,7 +418,7 @@ class NcclBackend(Backend):
             s = self._begin(opname, stream, timeout, (x,))
             if x.count:
                 w = wire(x.dtype)
-                self._run(opname, fn, self._buf(x.ptr, x.count * w.factor, w.dtype), peer,
+                self._run(opname, fn, Buf(x.ptr, x.count * w.factor, w.code), peer,
                           stream=s, deadline=deadline, timeout=timeout)
             self._end(opname, s, deadline, timeout, x)
 
@@ -445,8 +430,8 @@ class NcclBackend(Backend):
             s = self._begin("barrier", None, timeout, ())
             if self._scratch is None:
                 self._scratch = self._rt.alloc_device(4, s)
-            buf = self._buf(self._scratch.ptr, 1, _INT32)
-            self._run("barrier", self._nc.comm.allreduce, buf, buf, 0, stream=s,
+            buf = Buf(self._scratch.ptr, 1, _INT32)
+            self._run("barrier", self._nc.calls.allreduce, buf, buf, 0, stream=s,
                       deadline=deadline, timeout=timeout)  # ncclSum
             self._end("barrier", s, deadline, timeout, None)
         EventWork(self, self._last).synchronize()
@@ -457,12 +442,12 @@ class NcclBackend(Backend):
                    deadline: float, timeout: float) -> None:
         """Rank r's ``x`` lands in slot r of ``out_ptr`` on ``root`` (grouped recvs there)."""
         w = wire(x.dtype)
-        n, comm = x.count * w.factor, self._nc.comm
+        n, comm = x.count * w.factor, self._nc.calls
         if self.rank != root:
-            self._run(opname, comm.send, self._buf(x.ptr, n, w.dtype), root, stream=s,
+            self._run(opname, comm.send, Buf(x.ptr, n, w.code), root, stream=s,
                       deadline=deadline, timeout=timeout)
             return
-        calls = [(comm.recv, (self._buf(out_ptr + r * x.nbytes, n, w.dtype), r), {"stream": s})
+        calls = [(comm.recv, (Buf(out_ptr + r * x.nbytes, n, w.code), r), {"stream": s})
                  for r in range(self.size) if r != root]
         self._nc.group(opname, calls, deadline=deadline, timeout=timeout)
         self._copy(out_ptr + root * x.nbytes, x.ptr, x.nbytes, s)
@@ -471,13 +456,13 @@ class NcclBackend(Backend):
                   deadline: float, timeout: float) -> None:
         """All-to-all of ``n``-element slots: dst slot j = rank j's src slot ``rank``."""
         w = wire(dtype)
-        slot, count, comm = n * dtype.itemsize, n * w.factor, self._nc.comm
+        slot, count, comm = n * dtype.itemsize, n * w.factor, self._nc.calls
         calls = []
         for r in range(self.size):
             if r != self.rank:
-                calls.append((comm.send, (self._buf(src + r * slot, count, w.dtype), r),
+                calls.append((comm.send, (Buf(src + r * slot, count, w.code), r),
                               {"stream": s}))
-                calls.append((comm.recv, (self._buf(dst + r * slot, count, w.dtype), r),
+                calls.append((comm.recv, (Buf(dst + r * slot, count, w.code), r),
                               {"stream": s}))
         self._nc.group(opname, calls, deadline=deadline, timeout=timeout)
         self._copy(dst + self.rank * slot, src + self.rank * slot, slot, s)
@@ -496,13 +481,13 @@ class NcclBackend(Backend):
             s = self._begin("all_reduce", stream, timeout, (x, out))
             keep, n = None, x.count * plan.factor
             if x.count and plan.native:
-                self._run("all_reduce", self._nc.comm.allreduce, self._buf(x.ptr, n, plan.dtype),
-                          self._buf(out.ptr, n, plan.dtype), plan.op, stream=s,
+                self._run("all_reduce", self._nc.calls.allreduce, Buf(x.ptr, n, plan.code),
+                          Buf(out.ptr, n, plan.code), plan.op, stream=s,
                           deadline=deadline, timeout=timeout)
             elif x.count:  # all-gather every rank's x, then reduce the slots locally into out
                 keep = self._rt.alloc_device(self.size * x.nbytes, s)
-                self._run("all_reduce", self._nc.comm.allgather, self._buf(x.ptr, n, plan.dtype),
-                          self._buf(keep.ptr, self.size * n, plan.dtype), stream=s,
+                self._run("all_reduce", self._nc.calls.allgather, Buf(x.ptr, n, plan.code),
+                          Buf(keep.ptr, self.size * n, plan.code), stream=s,
                           deadline=deadline, timeout=timeout)
                 self._rt.reduce_slots(op.value, keep.ptr, out.ptr, self.size, x.count, x.dtype,
                                       s)
@@ -517,8 +502,8 @@ class NcclBackend(Backend):
             keep, n = None, x.count * plan.factor
             if x.count and plan.native:  # the receive buffer is read on root only
                 recv = out if out is not None else x
-                self._run("reduce", self._nc.comm.reduce, self._buf(x.ptr, n, plan.dtype),
-                          self._buf(recv.ptr, n, plan.dtype), plan.op, root, stream=s,
+                self._run("reduce", self._nc.calls.reduce, Buf(x.ptr, n, plan.code),
+                          Buf(recv.ptr, n, plan.code), plan.op, root, stream=s,
                           deadline=deadline, timeout=timeout)
             elif x.count:
                 if self.rank == root:
@@ -539,8 +524,8 @@ class NcclBackend(Backend):
                 w = wire(out.dtype)
                 n = out.count * w.factor
                 send = x if self.rank == root else out  # the send buffer is read on root only
-                self._run("broadcast", self._nc.comm.broadcast, self._buf(send.ptr, n, w.dtype),
-                          self._buf(out.ptr, n, w.dtype), root, stream=s, deadline=deadline,
+                self._run("broadcast", self._nc.calls.broadcast, Buf(send.ptr, n, w.code),
+                          Buf(out.ptr, n, w.code), root, stream=s, deadline=deadline,
                           timeout=timeout)
             self._end("broadcast", s, deadline, timeout, (x, out))
 
@@ -551,7 +536,7 @@ class NcclBackend(Backend):
         """One send or receive of a group: ``count`` elements of ``ref``'s dtype at ``ptr``."""
         w = wire(ref.dtype)
         count = ref.count if count is None else count
-        buf = self._buf(ref.ptr if ptr is None else ptr, count * w.factor, w.dtype)
+        buf = Buf(ref.ptr if ptr is None else ptr, count * w.factor, w.code)
         return fn, (buf, peer), {"stream": s}
 
     def exchange(self, sends: Sequence[tuple[int, Any]], recvs: Sequence[tuple[int, Any]],
@@ -561,7 +546,7 @@ class NcclBackend(Backend):
         refs = tuple(r for _, r in (*sends, *recvs))
         with self._rt.using_device(self.device):
             s = self._begin("exchange", stream, timeout, refs)
-            comm, me = self._nc.comm, self.rank
+            comm, me = self._nc.calls, self.rank
             own = [r for p, r in recvs if p == me]
             for i, src in enumerate(r for p, r in sends if p == me):
                 self._copy(own[i].ptr, src.ptr, src.nbytes, s)
@@ -598,9 +583,9 @@ class NcclBackend(Backend):
         keep = self._rt.alloc_device((n + 1) * biggest * item, s)
         padded = keep.ptr + n * biggest * item  # this rank's padded slot, after the others
         self._copy(padded, x.ptr, x.nbytes, s)
-        self._run("all_gather_v", self._nc.comm.allgather,
-                  self._buf(padded, biggest * w.factor, w.dtype),
-                  self._buf(keep.ptr, n * biggest * w.factor, w.dtype), stream=s,
+        self._run("all_gather_v", self._nc.calls.allgather,
+                  Buf(padded, biggest * w.factor, w.code),
+                  Buf(keep.ptr, n * biggest * w.factor, w.code), stream=s,
                   deadline=deadline, timeout=timeout)
         start = 0
         for r, k in enumerate(counts):
@@ -612,16 +597,16 @@ class NcclBackend(Backend):
         """One broadcast per rank, from its x into its slot of out."""
         w, item, calls, start = wire(x.dtype), x.dtype.itemsize, [], 0
         for r, k in enumerate(counts):
-            slot = self._buf(out.ptr + start * item, k * w.factor, w.dtype)
-            send = self._buf(x.ptr, k * w.factor, w.dtype) if r == self.rank else slot
-            calls.append((self._nc.comm.broadcast, (send, slot, r), {"stream": s}))
+            slot = Buf(out.ptr + start * item, k * w.factor, w.code)
+            send = Buf(x.ptr, k * w.factor, w.code) if r == self.rank else slot
+            calls.append((self._nc.calls.broadcast, (send, slot, r), {"stream": s}))
             start += k
         return calls
 
     def _sends_and_receives(self, x: Any, out: Any, counts: Sequence[int], s: int) -> list:
         """x to every other rank, and every other rank's x into its slot of out (this rank's
         own slot: a device copy)."""
-        item, me, comm, calls, start = x.dtype.itemsize, self.rank, self._nc.comm, [], 0
+        item, me, comm, calls, start = x.dtype.itemsize, self.rank, self._nc.calls, [], 0
         for r, k in enumerate(counts):
             if r == me:
                 self._copy(out.ptr + start * item, x.ptr, x.nbytes, s)
@@ -635,7 +620,7 @@ class NcclBackend(Backend):
                          layout: int, *, timeout: float, stream: Any = None) -> None:
         plan = reduce_plan(op, x.dtype, "reduce_scatter_v")
         deadline = time.monotonic() + timeout
-        item, me, comm = x.dtype.itemsize, self.rank, self._nc.comm
+        item, me, comm = x.dtype.itemsize, self.rank, self._nc.calls
         with self._rt.using_device(self.device):
             s = self._begin("reduce_scatter_v", stream, timeout, (x, out))
             keep = None
@@ -644,8 +629,8 @@ class NcclBackend(Backend):
             elif plan.native:  # one reduce per slot, to the rank that owns it, as one group
                 calls, start = [], 0
                 for r, k in enumerate(counts):
-                    send = self._buf(x.ptr + start * item, k * plan.factor, plan.dtype)
-                    recv = self._buf(out.ptr, k * plan.factor, plan.dtype) if r == me else send
+                    send = Buf(x.ptr + start * item, k * plan.factor, plan.code)
+                    recv = Buf(out.ptr, k * plan.factor, plan.code) if r == me else send
                     calls.append((comm.reduce, (send, recv, plan.op, r), {"stream": s}))
                     start += k
                 self._group_of("reduce_scatter_v", calls, deadline, timeout)
@@ -682,8 +667,8 @@ class NcclBackend(Backend):
                 if not plan.native:
                     rest.append(x)
                 elif x.count:
-                    buf = self._buf(x.ptr, x.count * plan.factor, plan.dtype)
-                    calls.append((self._nc.comm.allreduce, (buf, buf, plan.op), {"stream": s}))
+                    buf = Buf(x.ptr, x.count * plan.factor, plan.code)
+                    calls.append((self._nc.calls.allreduce, (buf, buf, plan.op), {"stream": s}))
             self._group_of("all_reduce_many", calls, deadline, timeout)
             self._end("all_reduce_many", s, deadline, timeout, tuple(xs))
         for x in rest:
@@ -696,7 +681,7 @@ class NcclBackend(Backend):
         refs = tuple(ref for _, ref, _ in ops)
         with self._rt.using_device(self.device):
             s = self._begin("batch_isend_irecv", stream, timeout, refs)
-            comm = self._nc.comm
+            comm = self._nc.calls
             calls = [self._group_p2p(comm.send if sending else comm.recv, ref, peer, s)
                      for sending, ref, peer in ops]
             self._group_of("batch_isend_irecv", calls, deadline, timeout)
@@ -758,7 +743,8 @@ class NcclBackend(Backend):
                 made = driver.shrink("shrink", excluded, rank, size, abort=b"2" in votes,
                                      deadline=deadline, timeout=timeout, liveness=liveness)
             else:
-                made = self._start(driver.nc, store, rank, size, _left(deadline), liveness)
+                made = self._start(driver.nc, driver.raw, store, rank, size, _left(deadline),
+                                   liveness)
         return NcclBackend(store, rank, size, timeout=timeout, device=self.device, _driver=made)
 
     def _drain(self, opname: str, deadline: float, timeout: float) -> None:

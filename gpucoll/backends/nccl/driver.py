@@ -23,11 +23,16 @@ aborted when it closes (NCCL forbids finalizing it).
 The codes (``DTYPE_CODES``, ``OP_CODES``: how gpucoll's dtypes and reduce ops map onto NCCL's
 ``ncclDataType_t`` and ``ncclRedOp_t``) are nccl.h's (NCCL >= 2.10 for bfloat16) and equal
 nccl4py's ``NcclDataType`` and ``NcclRedOp``; a test checks both against the installed packages.
-Only dtypes gpucoll accepts are listed (NCCL's fp8 types are not among them). nccl4py reads an
-NCCL datatype off the array it is handed, so each plan (``wire``, ``reduce_plan``) also names the
-NumPy dtype of that array. What NCCL cannot reduce natively is either carried exactly another
-way (complex sum/avg as float pairs; bitwise ops and dtypes NCCL lacks through an all-gather and
-a local reduction) or refused with a TypeError naming the op and dtype.
+Only dtypes gpucoll accepts are listed (NCCL's fp8 types are not among them). Each plan
+(``wire``, ``reduce_plan``) names the NCCL datatype a buffer travels as. What NCCL cannot reduce
+natively is either carried exactly another way (complex sum/avg as float pairs; bitwise ops and
+dtypes NCCL lacks through an all-gather and a local reduction) or refused with a TypeError
+naming the op and dtype.
+
+The collectives themselves go through nccl4py's raw bindings (``nccl.bindings.nccl``, the
+functions its ``Communicator`` methods end in) with the addresses, counts and datatypes gpucoll
+has already worked out (``Calls``): the ``Communicator`` methods would first resolve every buffer
+again through nccl4py's torch and CuPy interop, about a third of a small call's cost.
 """
 
 from __future__ import annotations
@@ -38,7 +43,7 @@ import functools
 import threading
 import time
 from collections.abc import Callable
-from typing import Any
+from typing import Any, NamedTuple
 
 import numpy as np
 
@@ -91,12 +96,58 @@ def translate(exc: BaseException, opname: str, rank: int, size: int) -> GpucollE
     return failure(getattr(exc, "status", None), opname, rank, size, str(exc))
 
 
+class Buf(NamedTuple):
+    """A device buffer as NCCL takes it: its address, its element count and its
+    ``ncclDataType_t``."""
+
+    ptr: int
+    count: int
+    code: int
+
+
+class Calls:
+    """NCCL's collectives on one communicator through nccl4py's raw bindings (``raw``, the
+    ``nccl.bindings.nccl`` module), with nccl4py's ``Communicator`` method names and argument
+    order; each passes NCCL what that method would: no receive buffer on a reduce's other
+    ranks and no send buffer on a broadcast's, counts per rank. Streams are handles (ints)."""
+
+    def __init__(self, raw: Any, comm: Any, rank: int):
+        self._raw, self._rank = raw, rank
+        self._comm = raw.Comm(comm.ptr)  # the same handle, as the bindings take it
+
+    def allreduce(self, send: Buf, recv: Buf, op: int, *, stream: int) -> None:
+        self._raw.all_reduce(send.ptr, recv.ptr, send.count, send.code, op, self._comm, stream)
+
+    def reduce(self, send: Buf, recv: Buf, op: int, root: int, *, stream: int) -> None:
+        self._raw.reduce(send.ptr, recv.ptr if root == self._rank else 0, send.count,
+                         send.code, op, root, self._comm, stream)
+
+    def broadcast(self, send: Buf, recv: Buf, root: int, *, stream: int) -> None:
+        self._raw.broadcast(send.ptr if root == self._rank else 0, recv.ptr, recv.count,
+                            recv.code, root, self._comm, stream)
+
+    def allgather(self, send: Buf, recv: Buf, *, stream: int) -> None:
+        self._raw.all_gather(send.ptr, recv.ptr, send.count, send.code, self._comm, stream)
+
+    def reduce_scatter(self, send: Buf, recv: Buf, op: int, *, stream: int) -> None:
+        self._raw.reduce_scatter(send.ptr, recv.ptr, recv.count, send.code, op, self._comm,
+                                 stream)
+
+    def send(self, buf: Buf, peer: int, *, stream: int) -> None:
+        self._raw.send(buf.ptr, buf.count, buf.code, peer, self._comm, stream)
+
+    def recv(self, buf: Buf, peer: int, *, stream: int) -> None:
+        self._raw.recv(buf.ptr, buf.count, buf.code, peer, self._comm, stream)
+
+
 class Driver:
     """A non-blocking nccl4py ``Communicator`` (``comm``) of ``size`` ranks; ``nc`` is the
-    ``nccl.core`` module it came from. ``liveness`` (may be None) tells which peers are gone."""
+    ``nccl.core`` module it came from and ``raw`` nccl4py's raw bindings, through which
+    ``calls`` runs the collectives. ``liveness`` (may be None) tells which peers are gone."""
 
-    def __init__(self, nc: Any, comm: Any, rank: int, size: int, liveness: Any):
-        self.nc, self.comm = nc, comm
+    def __init__(self, nc: Any, raw: Any, comm: Any, rank: int, size: int, liveness: Any):
+        self.nc, self.raw, self.comm = nc, raw, comm
+        self.calls = Calls(raw, comm, rank)
         self.rank, self.size = rank, size
         self.liveness = liveness
         self.diagnose: Callable[[], str] | None = None  # where the ranks are, for a timeout
@@ -106,7 +157,7 @@ class Driver:
         self._revoked = False  # stopped after a failure, the handle kept for a shrink
 
     @classmethod
-    def create(cls, nc: Any, size: int, rank: int, uid: bytes, *, deadline: float,
+    def create(cls, nc: Any, raw: Any, size: int, rank: int, uid: bytes, *, deadline: float,
                timeout: float, liveness: Any, diagnose: Callable[[], str] | None = None
                ) -> Driver:
         """``ncclCommInitRankConfig`` on the current device, settled by ``deadline``."""
@@ -115,7 +166,7 @@ class Driver:
             comm = nc.Communicator.init(size, rank, nc.UniqueId.from_bytes(uid), config=config)
         except Exception as exc:  # noqa: BLE001 - nccl4py's and NCCL's errors alike
             raise translate(exc, "NCCL start-up", rank, size) from exc
-        driver = cls(nc, comm, rank, size, liveness)
+        driver = cls(nc, raw, comm, rank, size, liveness)
         driver.settle("NCCL start-up", deadline, timeout, diagnose, managing=True)
         return driver
 
@@ -123,7 +174,7 @@ class Driver:
 
     def call(self, opname: str, fn: Callable, *args: Any, deadline: float, timeout: float,
              **kwargs: Any) -> None:
-        """``fn(*args, **kwargs)``, a method of the communicator, then ``settle``."""
+        """``fn(*args, **kwargs)``, one of ``calls``' methods, then ``settle``."""
         with self._lock:
             self._usable(opname)
             try:
@@ -203,7 +254,7 @@ class Driver:
         self.settle(opname, deadline, timeout)
         if color is None or rank is None or not child.is_valid:
             return None
-        made = Driver(self.nc, child, rank, size, liveness)
+        made = Driver(self.nc, self.raw, child, rank, size, liveness)
         made.settle(opname, deadline, timeout, managing=True)
         return made
 
@@ -250,7 +301,7 @@ class Driver:
                 err = translate(exc, opname, self.rank, self.size)
                 self._end(err, free=True)
                 raise err from exc
-        made = Driver(self.nc, child, rank, size, liveness)
+        made = Driver(self.nc, self.raw, child, rank, size, liveness)
         try:
             made.settle(opname, deadline, timeout, managing=True)
             self.settle(opname, deadline, timeout, managing=True)
@@ -364,26 +415,26 @@ OP_CODES: dict[ReduceOp, int] = {
     ReduceOp.AVG: 4,
 }
 
-_UINT8 = np.dtype(np.uint8)
 # a complex number travels as two floats of this dtype
-_COMPLEX_PARTS = {"complex64": np.dtype(np.float32), "complex128": np.dtype(np.float64)}
+_COMPLEX_PARTS = {"complex64": "float32", "complex128": "float64"}
 
 
 @dataclasses.dataclass(frozen=True, slots=True)
 class Wire:
-    """How a dtype travels: as ``factor`` elements of ``dtype`` (an NCCL type) per element."""
+    """How a dtype travels: as ``factor`` elements of NCCL datatype ``code`` per element."""
 
-    dtype: np.dtype
+    code: int
     factor: int
 
 
 @dataclasses.dataclass(frozen=True, slots=True)
 class ReducePlan:
-    """How a reduction runs: ``native`` with NCCL's ``op`` on ``factor``x the elements as
-    ``dtype``, or (``native`` False) through an all-gather of ``dtype`` and a local reduction."""
+    """How a reduction runs: ``native`` with NCCL's ``op`` on ``factor``x the elements as NCCL
+    datatype ``code``, or (``native`` False) through an all-gather of ``code`` and a local
+    reduction."""
 
     native: bool
-    dtype: np.dtype
+    code: int
     op: int
     factor: int
 
@@ -393,10 +444,10 @@ def wire(dtype: np.dtype) -> Wire:
     """The NCCL type that moves ``dtype`` unchanged (movement only: any dtype can travel)."""
     name = dtype.name
     if name in DTYPE_CODES:
-        return Wire(dtype, 1)
+        return Wire(DTYPE_CODES[name], 1)
     if name in _COMPLEX_PARTS:
-        return Wire(_COMPLEX_PARTS[name], 2)
-    return Wire(_UINT8, dtype.itemsize)
+        return Wire(DTYPE_CODES[_COMPLEX_PARTS[name]], 2)
+    return Wire(DTYPE_CODES["uint8"], dtype.itemsize)
 
 
 @functools.lru_cache(maxsize=256)
@@ -404,13 +455,13 @@ def reduce_plan(op: ReduceOp, dtype: np.dtype, opname: str) -> ReducePlan:
     """How NCCL carries out ``op`` on ``dtype``; TypeError when it cannot do so honestly."""
     name = dtype.name
     if name in DTYPE_CODES and op in OP_CODES:
-        return ReducePlan(True, dtype, OP_CODES[op], 1)
+        return ReducePlan(True, DTYPE_CODES[name], OP_CODES[op], 1)
     if name in _COMPLEX_PARTS and op in (ReduceOp.SUM, ReduceOp.AVG):
         # (a+bi)+(c+di) is a componentwise sum, and so is the mean: exact as float pairs
-        return ReducePlan(True, _COMPLEX_PARTS[name], OP_CODES[op], 2)
+        return ReducePlan(True, DTYPE_CODES[_COMPLEX_PARTS[name]], OP_CODES[op], 2)
     if dtype.kind in "biu" and (op in BITWISE or op in OP_CODES):
         w = wire(dtype)
-        return ReducePlan(False, w.dtype, -1, w.factor)
+        return ReducePlan(False, w.code, -1, w.factor)
     raise TypeError(
         f"{opname}: the NCCL backend cannot apply op={op.value!r} to dtype {name} "
         "(NCCL has no such reduction and no exact substitute)"
