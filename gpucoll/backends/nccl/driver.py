@@ -415,8 +415,8 @@ OP_CODES: dict[ReduceOp, int] = {
     ReduceOp.AVG: 4,
 }
 
-# a complex number travels as two floats of this dtype
-_COMPLEX_PARTS = {"complex64": "float32", "complex128": "float64"}
+# a complex number travels as two floats of this NCCL datatype
+_COMPLEX_PARTS = {"complex64": DTYPE_CODES["float32"], "complex128": DTYPE_CODES["float64"]}
 
 
 @dataclasses.dataclass(frozen=True, slots=True)
@@ -446,7 +446,7 @@ def wire(dtype: np.dtype) -> Wire:
     if name in DTYPE_CODES:
         return Wire(DTYPE_CODES[name], 1)
     if name in _COMPLEX_PARTS:
-        return Wire(DTYPE_CODES[_COMPLEX_PARTS[name]], 2)
+        return Wire(_COMPLEX_PARTS[name], 2)
     return Wire(DTYPE_CODES["uint8"], dtype.itemsize)
 
 
@@ -458,7 +458,7 @@ def reduce_plan(op: ReduceOp, dtype: np.dtype, opname: str) -> ReducePlan:
         return ReducePlan(True, DTYPE_CODES[name], OP_CODES[op], 1)
     if name in _COMPLEX_PARTS and op in (ReduceOp.SUM, ReduceOp.AVG):
         # (a+bi)+(c+di) is a componentwise sum, and so is the mean: exact as float pairs
-        return ReducePlan(True, DTYPE_CODES[_COMPLEX_PARTS[name]], OP_CODES[op], 2)
+        return ReducePlan(True, _COMPLEX_PARTS[name], OP_CODES[op], 2)
     if dtype.kind in "biu" and (op in BITWISE or op in OP_CODES):
         w = wire(dtype)
         return ReducePlan(False, w.code, -1, w.factor)
