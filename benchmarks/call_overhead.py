@@ -19,6 +19,12 @@ call; an empty call shows what the timing loop itself costs in each row.
 
     python benchmarks/call_overhead.py [--calls 20000] [--json results/call_overhead.json]
 
+``--device`` times the same path on a real GPU instead, everything real, on a world of one
+(NCCL's in-place all-reduce of one rank moves nothing, so what is left is the host's work): the
+host time per call in batches of 200 calls with a synchronize between batches (best and median
+batch), beside 2,000 calls back to back and one synchronize, where the device's pace and the
+watchdog retiring events also count; and the runtime calls the path is made of, alone.
+
 ``--record-loop N`` only records N collectives as the communicator does, beside a heap of
 300,000 live objects with the garbage collector on, and prints nothing: run it under
 ``valgrind --tool=callgrind`` at two values of N (and with ``--no-record`` for the loop alone) to
@@ -342,6 +348,86 @@ def _measure(client: TCPStore, calls: int) -> list[dict[str, Any]]:
         cuda.set_runtime(previous)
 
 
+def device_cases(comm: Communicator) -> list[tuple[str, Any]]:
+    """(name, call) on a real device: the runtime and NCCL calls one collective is made of,
+    then whole calls, on ``comm``, an NCCL world of one."""
+    import cupy
+
+    backend, rt = comm._backend, cuda.runtime()
+    driver, x = backend._nc, cupy.ones(2, cupy.float32)
+    side = cupy.cuda.Stream(non_blocking=True)
+    h, ref, event = side.ptr, as_ref(x, "x"), rt.record_event(side.ptr)
+    buf = Buf(x.data.ptr, x.size, DTYPE_CODES["float32"])
+
+    def guard() -> None:
+        with rt.using_device(backend.device):
+            pass
+
+    return [
+        ("ncclAllReduce entered as the backend does",
+         lambda: driver.calls.allreduce(buf, buf, 0, stream=h)),
+        ("ncclCommGetAsyncError", driver.comm.get_async_error),
+        ("rt.record_event(s) (an event made, recorded)", lambda: rt.record_event(h)),
+        ("rt.wait_event(s, event)", lambda: rt.wait_event(h, event)),
+        ("rt.is_capturing(s)", lambda: rt.is_capturing(h)),
+        ("rt.current_stream()", rt.current_stream),
+        ("with rt.using_device(d)", guard),
+        ("as_ref(CuPy array)", lambda: as_ref(x, "x")),
+        ("backend.all_reduce (ArrayRef given)",
+         lambda: backend.all_reduce(ref, ReduceOp.SUM, timeout=60.0)),
+        ("comm.all_reduce(x)", lambda: comm.all_reduce(x)),
+        ("comm.all_reduce(x, stream=s)", lambda: comm.all_reduce(x, stream=side)),
+        ("comm.broadcast(x, root=0)", lambda: comm.broadcast(x, root=0)),
+        ("comm.all_gather(x) (allocates out)", lambda: comm.all_gather(x)),
+    ]
+
+
+def _time_device(fn: Any, sync: Any, batch: int = 200, batches: int = 20,
+                 run: int = 2000) -> dict[str, float]:
+    """Host microseconds per call: best and median of ``batches`` batches with the device
+    synchronized between them, and ``run`` calls back to back then one synchronize."""
+    for _ in range(batch):
+        fn()
+    per = []
+    for _ in range(batches):
+        sync()
+        start = time.perf_counter()
+        for _ in range(batch):
+            fn()
+        per.append((time.perf_counter() - start) / batch * 1e6)
+    sync()
+    start = time.perf_counter()
+    for _ in range(run):
+        fn()
+    sync()
+    back_to_back = (time.perf_counter() - start) / run * 1e6
+    return {"us_per_call": round(statistics.median(per), 3), "best_us": round(min(per), 3),
+            "back_to_back_us": round(back_to_back, 3)}
+
+
+def measure_device() -> list[dict[str, Any]]:
+    """``device_cases`` timed on this machine's CUDA device 0."""
+    import cupy
+
+    from gpucoll.default import create
+
+    with create("nccl", rank=0, world_size=1, timeout=60.0) as comm:
+        sync = cupy.cuda.Device(comm._backend.device).synchronize
+        return [{"case": name, **_time_device(fn, sync)} for name, fn in device_cases(comm)]
+
+
+def _report_device(rows: list[dict[str, Any]]) -> dict[str, Any]:
+    import cupy
+
+    print(f"NCCL world of one on {cupy.cuda.runtime.getDeviceProperties(0)['name'].decode()}; "
+          f"host us per call: batches of 200 (median, best), 2,000 back to back")
+    print(f"{'case':<46} {'median':>7} {'best':>6} {'2000':>7}")
+    for row in rows:
+        print(f"{row['case']:<46} {row['us_per_call']:>7.2f} {row['best_us']:>6.2f} "
+              f"{row['back_to_back_us']:>7.2f}")
+    return {"benchmark": "call_overhead", "mode": "device", "world_size": 1, "rows": rows}
+
+
 def record_loop(calls: int, record: bool = True) -> None:
     """``calls`` collectives' records, as the communicator makes them, while the program keeps a
     heap of live objects and a few recent ones (the garbage collector's work included)."""
@@ -367,9 +453,14 @@ def main(argv: list[str] | None = None) -> int:
                         help="only record N calls, for an instruction count (see above)")
     parser.add_argument("--no-record", action="store_true",
                         help="with --record-loop: the loop without recording")
+    parser.add_argument("--device", action="store_true",
+                        help="time the real path on CUDA device 0 (a world of one)")
     args = parser.parse_args(argv)
     if args.record_loop is not None:
         record_loop(args.record_loop, not args.no_record)
+        return 0
+    if args.device:
+        _write(args.json, _report_device(measure_device()))
         return 0
     rows = measure(args.calls)
     print(f"rank 0 of {WORLD}; target <= {TARGET_US:g} us per call, the recorder's share <= "
@@ -387,11 +478,15 @@ def main(argv: list[str] | None = None) -> int:
               "world_size": WORLD, "python": platform.python_version(),
               "machine": platform.machine(), "cpus": os.cpu_count(),
               "load_average": list(os.getloadavg()), "rows": rows}
-    args.json.parent.mkdir(parents=True, exist_ok=True)
-    with open(args.json, "w") as f:
-        json.dump(report, f, indent=2)
-    print(f"wrote {args.json}")
+    _write(args.json, report)
     return 0
+
+
+def _write(path: Path, report: dict[str, Any]) -> None:
+    path.parent.mkdir(parents=True, exist_ok=True)
+    with open(path, "w") as f:
+        json.dump(report, f, indent=2)
+    print(f"wrote {path}")
 
 
 if __name__ == "__main__":

@@ -59,6 +59,47 @@ def test_nccl_world_of_one(store_addr):
     assert spawn(_suite, 1, store_addr, "nccl", timeout=150) == [[0] * 5]
 
 
+def _other_libraries(rank: int, n: int, addr: str, library: str) -> str:
+    """torch, JAX or Numba device arrays through NCCL, in place and gathered."""
+    from gpucoll.default import create
+
+    comm = create("nccl", rank=rank, world_size=n, store=addr, timeout=60)
+    try:
+        if library == "torch":
+            import torch
+
+            t = torch.arange(8, dtype=torch.float32, device="cuda")
+            comm.all_reduce(t)
+            b = torch.full((16,), 1.5, dtype=torch.bfloat16, device="cuda")
+            comm.all_reduce(b, op="max")
+            torch.cuda.synchronize()
+            assert t.cpu().tolist() == [n * v for v in range(8)]
+            assert (b.float().cpu() == 1.5).all()
+            g = comm.all_gather(t)
+            assert isinstance(g, torch.Tensor) and tuple(g.shape) == (n, 8)
+        elif library == "jax":
+            import jax.numpy as jnp
+
+            g = comm.all_gather(jnp.arange(6, dtype=jnp.float32))
+            np.testing.assert_array_equal(g.get(), np.tile(np.arange(6), (n, 1)))
+        else:
+            from numba import cuda as numba_cuda
+
+            d = numba_cuda.to_device(np.arange(5, dtype=np.int64))
+            comm.all_reduce(d, op="max")
+            numba_cuda.synchronize()
+            assert d.copy_to_host().tolist() == list(range(5))
+        return library
+    finally:
+        comm.close()
+
+
+@pytest.mark.parametrize("library", ["torch", "jax", "numba"])
+def test_other_libraries_device_arrays_through_nccl(store_addr, library):
+    pytest.importorskip(library)
+    assert spawn(_other_libraries, 1, store_addr, library, timeout=150) == [library]
+
+
 @pytest.mark.skipif(_device_count() < 2, reason="needs two or more CUDA devices")
 def test_nccl_across_one_process_per_device(store_addr):
     n = min(_device_count(), 4)
