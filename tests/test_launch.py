@@ -200,6 +200,25 @@ def test_first_failure_is_reported_and_the_others_are_stopped(launch, tmp_path):
     assert pids(job) and not any(alive(pid) for pid in pids(job))
 
 
+def test_a_rank_stopped_when_another_fails_is_named_as_the_likely_cause(launch, tmp_path):
+    # rank 1 stops itself; rank 0 then fails as a rank waiting for it would (by a timeout)
+    script = write_script(tmp_path, """
+        import os, signal, sys, time
+        if os.environ["RANK"] == "1":
+            os.kill(os.getpid(), signal.SIGSTOP)
+        time.sleep(1.0)
+        sys.exit(3 if os.environ["RANK"] == "0" else 0)
+    """)
+    job = launch(["-n", "2", "--grace", "0.5", script])
+    assert job.finish() == 3, job.text()
+    err = job.err()
+    assert "rank 0 failed first, while rank 1 was stopped (SIGSTOP or a debugger): " \
+           "likely the root cause" in err
+    assert "rank 1: stopped (SIGSTOP or a debugger) when the job failed; then stopped by " \
+           "the launcher" in err
+    assert not any(alive(pid) for pid in pids(job))
+
+
 def test_ranks_ignoring_sigterm_are_killed_after_the_grace_period(launch, tmp_path):
     script = write_script(tmp_path, waiter(failing=1, code=4).replace(
         "lambda *a: sys.exit(7)", "signal.SIG_IGN"))

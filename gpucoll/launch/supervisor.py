@@ -81,12 +81,21 @@ def describe(returncode: int) -> str:
 
 
 def root_cause(rank: int, local_rank: int, node_rank: int, pid: int | None, returncode: int,
-               elapsed: float, stderr_tail: list[str], others: list[str]) -> str:
-    """The block printed when a rank fails: the first failure, then what became of the rest."""
+               elapsed: float, stderr_tail: list[str], others: list[str],
+               stopped: list[int] | None = None) -> str:
+    """The block printed when a rank fails: the first failure, then what became of the rest.
+    ``stopped``: ranks that were stopped (SIGSTOP, a debugger) when it failed: the likelier
+    cause, since a rank that waited for one fails first and the stopped one never does."""
     bar = "=" * 72
+    if stopped:
+        title = (f"gpucoll run: rank {rank} failed first, while {ranks_text(stopped)} "
+                 f"{'was' if len(stopped) == 1 else 'were'} stopped (SIGSTOP or a debugger): "
+                 f"likely the root cause")
+    else:
+        title = f"gpucoll run: rank {rank} failed first (root cause: first observed failure)"
     lines = [
         bar,
-        f"gpucoll run: rank {rank} failed first (root cause: first observed failure)",
+        title,
         bar,
         f"  rank        : {rank} (local rank {local_rank} on node {node_rank}, pid {pid})",
         f"  exit        : {describe(returncode)}",
@@ -437,6 +446,7 @@ class Job:
         self.exits: dict[int, Exit] = {}
         self.sent: dict[int, int] = {}  # rank -> last signal the launcher sent it
         self.first_failure: Exit | None = None
+        self.stopped: list[int] = []  # ranks stopped (SIGSTOP) when the first failure came
         self.interrupt: Received | None = None
         self.timed_out = False
         self.remote: RemoteAbort | None = None
@@ -506,6 +516,8 @@ class Job:
                     self.first_failure = event
             elif event.returncode != 0 and self._is_failure(event):
                 self.first_failure = event
+                self.stopped = [p.rank for p in self._running()
+                                if process_state(p.pid) == "stopped"]
                 self._schedule_stop(term_after=self.cfg.grace)
                 self.on_failure(exit_status(event.returncode),
                                 f"rank {event.rank} on node {self.cfg.node_rank} failed "
@@ -639,7 +651,7 @@ class Job:
         others = [self._fate(p) for p in self.ranks if p is not proc]
         self._note(root_cause(
             first.rank, proc.local_rank, self.cfg.node_rank, proc.pid, first.returncode,
-            first.time - self.start, proc.output.last_stderr(), others), raw=True)
+            first.time - self.start, proc.output.last_stderr(), others, self.stopped), raw=True)
 
     def _kept_going(self) -> int:
         """The status of a job that went on after losing ranks: the first rank that exited
@@ -682,8 +694,9 @@ class Job:
         ended = self.exits.get(proc.rank)
         how = describe(ended.returncode) if ended else "did not exit"
         if proc.rank in self.sent:
-            return (f"rank {proc.rank}: stopped by the launcher "
-                    f"({signal.Signals(self.sent[proc.rank]).name}), {how}")
+            how = f"stopped by the launcher ({signal.Signals(self.sent[proc.rank]).name}), {how}"
+        if proc.rank in self.stopped:
+            how = f"stopped (SIGSTOP or a debugger) when the job failed; then {how}"
         return f"rank {proc.rank}: {how}"
 
     def _note(self, text: str, raw: bool = False) -> None:
