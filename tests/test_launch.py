@@ -201,13 +201,24 @@ def test_first_failure_is_reported_and_the_others_are_stopped(launch, tmp_path):
 
 
 def test_a_rank_stopped_when_another_fails_is_named_as_the_likely_cause(launch, tmp_path):
-    # rank 1 stops itself; rank 0 then fails as a rank waiting for it would (by a timeout)
-    script = write_script(tmp_path, """
-        import os, signal, sys, time
+    # rank 1 stops itself; once it is stopped, rank 0 fails as a rank waiting for it would
+    script = write_script(tmp_path, f"""
+        import os, pathlib, signal, sys, time
+        pid_file = pathlib.Path({str(tmp_path / "pid")!r})
         if os.environ["RANK"] == "1":
+            pid_file.write_text(str(os.getpid()))
             os.kill(os.getpid(), signal.SIGSTOP)
-        time.sleep(1.0)
-        sys.exit(3 if os.environ["RANK"] == "0" else 0)
+            sys.exit(0)
+        deadline = time.monotonic() + 60
+        while time.monotonic() < deadline:
+            try:
+                stat = pathlib.Path(f"/proc/{{pid_file.read_text()}}/stat").read_text()
+                if stat.rsplit(")", 1)[1].split()[0] == "T":
+                    break
+            except (OSError, ValueError):
+                pass
+            time.sleep(0.05)
+        sys.exit(3)
     """)
     job = launch(["-n", "2", "--grace", "0.5", script])
     assert job.finish() == 3, job.text()
