@@ -13,6 +13,7 @@ import sys
 import numpy as np
 
 import gpucoll
+from gpucoll import rendezvous
 
 
 def parse_args(description: str, extra=None) -> argparse.Namespace:
@@ -35,10 +36,15 @@ def start(device: bool):
         count = cupy.cuda.runtime.getDeviceCount()
     except cupy.cuda.runtime.CUDARuntimeError as exc:
         sys.exit(f"--device needs a CUDA GPU, and CuPy finds none here ({exc})")
-    # local rank i uses GPU i, whichever launcher started us (gpucoll run, torchrun, srun)
-    gpu = gpucoll.rendezvous.from_env().local_rank % count
+    gpu = local_gpu(count)
     cupy.cuda.Device(gpu).use()
     return gpucoll.init(device=gpu), cupy
+
+
+def local_gpu(count: int) -> int:
+    """This rank's GPU among ``count``: local rank i uses GPU i, whichever launcher started it
+    (gpucoll run, torchrun, srun, mpirun), and GPU 0 without one."""
+    return rendezvous.local_rank(0) % count
 
 
 def to_host(a) -> np.ndarray:

@@ -106,6 +106,23 @@ def test_device_flag_without_a_gpu_is_a_clear_error(launch):
     assert "--device needs a CUDA GPU, and CuPy finds none here" in job.err()
 
 
+@pytest.mark.parametrize("env, gpu", [
+    ({"GPUCOLL_RANK": "3", "GPUCOLL_WORLD_SIZE": "4", "GPUCOLL_LOCAL_RANK": "3"}, 1),
+    ({"RANK": "5", "WORLD_SIZE": "8", "LOCAL_RANK": "2"}, 0),
+    ({}, 0),
+])
+def test_device_flag_gives_each_local_rank_its_own_gpu(env, gpu):
+    # in a fresh interpreter, as an example starts: nothing of gpucoll imported but the package
+    clean = {k: v for k, v in os.environ.items() if not k.startswith(
+        ("GPUCOLL_", "RANK", "WORLD_SIZE", "LOCAL_", "OMPI_", "PMI_", "SLURM_", "MPI_"))}
+    code = f"import sys; sys.path.insert(0, {EXAMPLES!r}); import _example; " \
+           "print(_example.local_gpu(2))"
+    run = subprocess.run([sys.executable, "-c", code], env={**clean, **env},
+                         capture_output=True, text=True, timeout=60)
+    assert run.returncode == 0, run.stderr
+    assert run.stdout.strip() == str(gpu)
+
+
 def run_other_launcher(argv: list[str], tmp_path) -> subprocess.CompletedProcess:
     """Run another launcher in its own session; at the deadline kill all of it and fail."""
     proc = subprocess.Popen(argv, cwd=tmp_path, stdout=subprocess.PIPE, stderr=subprocess.PIPE,
