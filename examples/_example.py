@@ -13,7 +13,6 @@ import sys
 import numpy as np
 
 import gpucoll
-from gpucoll import rendezvous
 
 
 def parse_args(description: str, extra=None) -> argparse.Namespace:
@@ -44,7 +43,7 @@ def start(device: bool):
 def local_gpu(count: int) -> int:
     """This rank's GPU among ``count``: local rank i uses GPU i, whichever launcher started it
     (gpucoll run, torchrun, srun, mpirun), and GPU 0 without one."""
-    return rendezvous.local_rank(0) % count
+    return gpucoll.rendezvous.local_rank(0) % count
 
 
 def to_host(a) -> np.ndarray:

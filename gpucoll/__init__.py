@@ -73,8 +73,13 @@ _EXPORTS = {
 
 __all__ = sorted(_EXPORTS) + ["__version__"]
 
+# submodules the docs name as ``gpucoll.X``: loaded on first attribute access, like the names
+_SUBMODULES = frozenset({"distributed", "rendezvous", "store", "topology"})
+
 
 def __getattr__(name: str):
+    if name in _SUBMODULES:
+        return importlib.import_module(f"gpucoll.{name}")
     module = _EXPORTS.get(name)
     if module is None:
         raise AttributeError(f"module 'gpucoll' has no attribute {name!r}")

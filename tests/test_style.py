@@ -34,3 +34,10 @@ def test_import_gpucoll_touches_no_cuda_library():
     out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=60)
     assert out.returncode == 0, out.stderr
     assert out.stdout.strip() == "[]"
+
+
+def test_documented_submodules_load_on_first_attribute_access():
+    code = "import gpucoll; print(gpucoll.rendezvous.from_env.__name__, gpucoll.store.__name__)"
+    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=60)
+    assert out.returncode == 0, out.stderr
+    assert out.stdout.split() == ["from_env", "gpucoll.store"]
