@@ -9,7 +9,7 @@ The store address, from the first of these that is set:
   1. ``GPUCOLL_STORE=tcp://host:port``  a store that is already running (the launcher's);
   2. ``GPUCOLL_MASTER_ADDR`` / ``GPUCOLL_MASTER_PORT``  rank 0 hosts the store there;
   3. ``MASTER_ADDR`` / ``MASTER_PORT + 1``  (torch.distributed owns ``MASTER_PORT`` itself);
-  4. under Slurm, the first host of ``SLURM_JOB_NODELIST``;
+  4. under Slurm, the first host of ``SLURM_JOB_NODELIST`` (the loopback address on one node);
   5. ``127.0.0.1`` when every rank is on this host (local world size == world size).
 A port that no variable names is derived from the job id, so two jobs on one host do not
 collide, else ``DEFAULT_PORT``; a world of one rank uses a free port.
@@ -229,12 +229,15 @@ def job_id(environ: Mapping[str, str] | None = None) -> str | None:
 
 # --------------------------------------------------------------------------- Slurm
 def _slurm_master(env: Mapping[str, str]) -> str | None:
+    """The first node of the step (or job); the loopback address when it has one node only, so
+    that a one-node job's store is reachable from that node alone."""
     for var in ("SLURM_STEP_NODELIST", "SLURM_JOB_NODELIST", "SLURM_NODELIST"):
         if env.get(var):
             try:
-                return expand_hostlist(env[var])[0]
+                hosts = expand_hostlist(env[var])
             except ValueError as exc:
                 raise RendezvousError(f"{var}: {exc}") from None
+            return "127.0.0.1" if len(hosts) == 1 else hosts[0]
     return None
 
 

@@ -3,12 +3,14 @@ result and says so."""
 
 from __future__ import annotations
 
+import contextlib
 import os
 import shutil
 import signal
 import socket
 import subprocess
 import sys
+import time
 
 import pytest
 from launch_helpers import launching
@@ -188,6 +190,99 @@ def test_an_example_runs_unchanged_under_mpirun(tmp_path):
     done = run_other_launcher(argv, tmp_path)
     assert done.returncode == 0, done.stdout + done.stderr
     assert "CHECK spmd: passed" in done.stdout
+
+
+SLURM_CONF = """\
+ClusterName=gpucolltest
+SlurmctldHost={host}(127.0.0.1)
+AuthType=auth/none
+CredType=cred/none
+SlurmUser=root
+SlurmdUser=root
+SlurmctldPort={ctld_port}
+SlurmdPort={d_port}
+StateSaveLocation={dir}/state
+SlurmdSpoolDir={dir}/spool
+SlurmctldPidFile={dir}/slurmctld.pid
+SlurmdPidFile={dir}/slurmd.pid
+SlurmctldLogFile={dir}/slurmctld.log
+SlurmdLogFile={dir}/slurmd.log
+ProctrackType=proctrack/pgid
+TaskPlugin=task/none
+MpiDefault=none
+ReturnToService=2
+SchedulerType=sched/builtin
+SelectType=select/cons_tres
+SelectTypeParameters=CR_Core
+JobAcctGatherType=jobacct_gather/none
+AccountingStorageType=accounting_storage/none
+NodeName={host} NodeAddr=127.0.0.1 CPUs={cpus} State=UNKNOWN
+PartitionName=debug Nodes={host} Default=YES MaxTime=INFINITE State=UP OverSubscribe=FORCE
+"""
+
+
+def _free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+@pytest.fixture
+def slurm(tmp_path):
+    """A one-node Slurm cluster of this machine (Debian's slurm-wlm; root), private to the
+    test: its own configuration, ports, state and daemons, all gone afterwards. Yields the
+    environment that points srun at it."""
+    daemons = [shutil.which(d) for d in ("slurmctld", "slurmd", "srun", "sinfo")]
+    if not all(daemons) or os.geteuid() != 0:
+        pytest.skip("needs root and Slurm (apt-get install slurm-wlm)")
+    ctld, slurmd, _, sinfo = daemons
+    for sub in ("state", "spool"):
+        (tmp_path / sub).mkdir()
+    conf = tmp_path / "slurm.conf"
+    conf.write_text(SLURM_CONF.format(host=socket.gethostname().split(".")[0], dir=tmp_path,
+                                      ctld_port=_free_port(), d_port=_free_port(),
+                                      cpus=os.cpu_count()))
+    env = {**os.environ, "SLURM_CONF": str(conf)}
+    procs = [subprocess.Popen(argv, env=env, stdout=subprocess.DEVNULL,
+                              stderr=subprocess.DEVNULL, start_new_session=True)
+             for argv in ([ctld, "-D", "-i"], [slurmd, "-D"])]
+    try:
+        deadline = time.monotonic() + 60
+        while "idle" not in subprocess.run([sinfo, "-h", "-o", "%T"], env=env, text=True,
+                                           capture_output=True, timeout=30).stdout:
+            if time.monotonic() > deadline or any(p.poll() is not None for p in procs):
+                logs = "".join(f.read_text() for f in tmp_path.glob("*.log"))
+                pytest.fail(f"the private Slurm cluster did not come up:\n{logs[-3000:]}")
+            time.sleep(0.2)
+        yield env
+    finally:
+        for p in procs:
+            with contextlib.suppress(ProcessLookupError):
+                os.killpg(p.pid, signal.SIGKILL)
+            p.wait(timeout=30)
+        _kill_with_env(f"SLURM_CONF={conf}")  # job steps outlive the daemons that started them
+
+
+def _kill_with_env(entry: str) -> None:
+    """SIGKILL every process whose environment holds ``entry`` (``NAME=value``)."""
+    want = entry.encode()
+    for pid in filter(str.isdigit, os.listdir("/proc")):
+        try:
+            with open(f"/proc/{pid}/environ", "rb") as f:
+                if want in f.read().split(b"\0"):
+                    os.kill(int(pid), signal.SIGKILL)
+        except (OSError, ValueError):
+            pass
+
+
+@pytest.mark.slow
+def test_an_example_runs_unchanged_under_srun(slurm, tmp_path):
+    argv = ["srun", "-n", "2", "--time=2", sys.executable, example("spmd")]
+    proc = subprocess.run(argv, env=slurm, cwd=tmp_path, capture_output=True, text=True,
+                          timeout=110)
+    assert proc.returncode == 0, proc.stdout + proc.stderr
+    assert "CHECK spmd: passed" in proc.stdout
+    assert "has no token" not in proc.stderr  # a one-node job's store listens on loopback
 
 
 def test_the_quickstart_runs_without_n_and_says_which_backend(launch):

@@ -77,6 +77,12 @@ def test_slurm_step_nodelist_wins_over_the_job_nodelist():
     assert rdv.store_host == "n4"
 
 
+def test_a_one_node_slurm_step_meets_on_the_loopback_address():
+    rdv = from_env({"SLURM_PROCID": "1", "SLURM_NTASKS": "2", "SLURM_JOB_NODELIST": "n[1-9]",
+                    "SLURM_STEP_NODELIST": "n4", "SLURM_TASKS_PER_NODE": "2"})
+    assert rdv.store_host == "127.0.0.1"
+
+
 def test_master_addr_wins_over_the_slurm_nodelist():
     rdv = from_env({"SLURM_PROCID": "0", "SLURM_NTASKS": "2", "SLURM_JOB_NODELIST": "n[1-2]",
                     "MASTER_ADDR": "login", "MASTER_PORT": "6000"})
@@ -94,7 +100,7 @@ def test_open_mpi_environment():
 
 def test_open_mpi_wins_over_a_batch_steps_slurm_variables():
     rdv = from_env({"OMPI_COMM_WORLD_RANK": "1", "OMPI_COMM_WORLD_SIZE": "2",
-                    "SLURM_PROCID": "0", "SLURM_NTASKS": "1", "SLURM_JOB_NODELIST": "n1"})
+                    "SLURM_PROCID": "0", "SLURM_NTASKS": "1", "SLURM_JOB_NODELIST": "n[1-2]"})
     assert (rdv.rank, rdv.world_size, rdv.source, rdv.store_host) == (1, 2, "openmpi", "n1")
 
 
