@@ -33,7 +33,13 @@ import zlib
 from collections.abc import Mapping
 from typing import Any
 
-from gpucoll.errors import CollectiveTimeout, RendezvousError, StoreTimeout
+from gpucoll.errors import (
+    CollectiveTimeout,
+    GpucollError,
+    PeerFailure,
+    RendezvousError,
+    StoreTimeout,
+)
 
 DEFAULT_PORT = 29510
 _JOB_PORT_BASE, _JOB_PORT_SPAN = 20000, 12000  # below Linux's ephemeral range (32768+)
@@ -379,10 +385,11 @@ def join_group(store: Any, rank: int, size: int, *, job: str | None, timeout: fl
         nonce = uuid.uuid4().hex
         if space.compare_set(f"member/{rank}", "", nonce) != nonce.encode():
             raise _rank_taken(space, rank, size)
+        what = f"start-up of job {job!r}" if job else "start-up"
         wait_for_ranks(space, [f"member/{r}" for r in range(size)],
                        max(deadline - time.monotonic(), 0.0), rank=rank, liveness=live,
-                       what=f"start-up of job {job!r}" if job else "start-up",
-                       absent="never arrived (not started, or not yet at gpucoll.init)")
+                       what=what, absent="never arrived (not started, or not yet at gpucoll.init)",
+                       stopped=lambda: launcher_stopped(store, what, rank, size))
     except CollectiveTimeout as exc:
         live.leave()
         if not skipped:
@@ -400,6 +407,27 @@ def join_group(store: Any, rank: int, size: int, *, job: str | None, timeout: fl
         for s in skipped:
             _clear_if_abandoned(PrefixStore(f"{root}/{s}", store))
     return space
+
+
+# set by ``gpucoll run`` in the job's store when a rank fails and it stops the job:
+# "<exit status>:rank R on node N failed (<how>)"
+LAUNCHER_ABORT = "gpucoll-launch/abort"
+
+
+def launcher_stopped(store: Any, what: str, rank: int, size: int) -> PeerFailure | None:
+    """The PeerFailure for ``what`` on ``rank`` when the launcher is stopping the job because a
+    rank failed (one that never reached gpucoll.init, say, whom the others would wait for until
+    the launcher kills them); None while it is not."""
+    try:
+        value = store.peek([LAUNCHER_ABORT])[0]
+    except (GpucollError, OSError):
+        return None  # a store that cannot answer: the wait's own checks report it
+    if value is None:
+        return None
+    reason = value.decode("utf-8", "replace").partition(":")[2]
+    culprit = re.match(r"rank (\d+) ", reason)
+    return PeerFailure(f"{what} on rank {rank} of {size}: the launcher is stopping the job: "
+                       f"{reason}", peer=int(culprit.group(1)) if culprit else None)
 
 
 def _fit(space: Any, rank: int, size: int) -> bool:

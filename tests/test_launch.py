@@ -230,6 +230,29 @@ def test_a_rank_stopped_when_another_fails_is_named_as_the_likely_cause(launch, 
     assert not any(alive(pid) for pid in pids(job))
 
 
+def test_ranks_starting_up_fail_on_their_own_when_a_rank_dies_before_init(launch, tmp_path):
+    # rank 2 never reaches gpucoll.init; the others must not wait for the launcher's SIGTERM
+    script = write_script(tmp_path, """
+        import os, sys
+        if os.environ["RANK"] == "2":
+            raise ImportError("no module named mymodel")
+        import gpucoll
+        try:
+            gpucoll.init(timeout=100)
+        except gpucoll.PeerFailure as exc:
+            print(f"caught {exc.peer}: {exc}", flush=True)
+            sys.exit(9)
+    """)
+    job = launch(["-n", "4", "--grace", "60", script])
+    assert job.finish(timeout=50) == 1, job.text()
+    out = job.out()
+    for rank in (0, 1, 3):
+        assert f"[rank {rank}] caught 2: start-up on rank {rank} of 4: the launcher is stopping " \
+               "the job: rank 2 on node 0 failed (exit code 1)" in out, job.text()
+    assert "rank 2 failed first" in job.err()
+    assert "stopped by the launcher" not in job.err()  # they ended on their own
+
+
 def test_ranks_ignoring_sigterm_are_killed_after_the_grace_period(launch, tmp_path):
     script = write_script(tmp_path, waiter(failing=1, code=4).replace(
         "lambda *a: sys.exit(7)", "signal.SIG_IGN"))

@@ -22,7 +22,7 @@ import threading
 from gpucoll.errors import LaunchError, StoreError
 from gpucoll.launch.config import LaunchConfig, bindings, validate, visible_gpus
 from gpucoll.launch.supervisor import Job, RemoteAbort, console
-from gpucoll.rendezvous import store_url
+from gpucoll.rendezvous import LAUNCHER_ABORT, store_url
 
 NO_GPU_MIN_RANKS, NO_GPU_MAX_RANKS = 2, 4  # -n's default without GPUs: the cores, within these
 NO_GPU_RANKS_HELP = (f"this machine's CPU cores, at least {NO_GPU_MIN_RANKS} and at most "
@@ -193,7 +193,7 @@ def run_job(cfg: LaunchConfig, job: Job) -> int:
 
 JOIN_TIMEOUT = 300.0  # how long another node's launcher waits for node 0's store
 PREFIX = "gpucoll-launch/"
-ABORT = PREFIX + "abort"
+ABORT = LAUNCHER_ABORT  # the ranks' start-up also watches it (gpucoll.rendezvous)
 
 
 def new_token() -> str:
@@ -237,9 +237,9 @@ class JobStore:
             return
 
     def abort(self, status: int, reason: str) -> None:
-        """Tell every other node to stop its ranks (the first abort wins)."""
-        if self.cfg.nnodes > 1:
-            self.store.compare_set(ABORT, b"", f"{status}:{reason}".encode())
+        """Tell every other node to stop its ranks, and the ranks still starting up that the
+        job is over (the first abort wins)."""
+        self.store.compare_set(ABORT, b"", f"{status}:{reason}".encode())
 
     def finish(self, status: int) -> int:
         """Record this node's exit status; node 0 waits for the others (the store is theirs

@@ -25,7 +25,7 @@ import struct
 import threading
 import time
 import weakref
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from typing import Any
 
 from gpucoll.errors import CollectiveTimeout, GpucollError, PeerFailure, StoreError, StoreTimeout
@@ -779,7 +779,8 @@ class Liveness:
 
 def wait_for_ranks(store: Any, keys: Sequence[str], timeout: float, *, what: str, rank: int,
                    absent: str = "never arrived", liveness: Liveness | None = None,
-                   poll: float = POLL, ranks: Sequence[int] | None = None) -> None:
+                   poll: float = POLL, ranks: Sequence[int] | None = None,
+                   stopped: Callable[[], PeerFailure | None] | None = None) -> None:
     """Block until ``keys[i]`` (rank ``ranks[i]``'s key; by default rank i's) is in ``store``
     for every i.
 
@@ -789,6 +790,8 @@ def wait_for_ranks(store: Any, keys: Sequence[str], timeout: float, *, what: str
     goes in slices of ``poll`` seconds, and between them one of those ranks found gone raises
     PeerFailure naming it: "rank 2 died during split on rank 0 of 3", or that it closed its
     communicator; losing the store that a rank of the group hosts is a PeerFailure naming that rank.
+    ``stopped()``, asked between the slices too, returns the PeerFailure that ends the wait early
+    (the launcher stopping the job for a rank that failed before it came).
     """
     keys = list(keys)
     ranks = list(range(len(keys)) if ranks is None else ranks)
@@ -812,6 +815,9 @@ def wait_for_ranks(store: Any, keys: Sequence[str], timeout: float, *, what: str
                 f"{what} on rank {rank} of {size}: lost the store, which rank {liveness.host} "
                 f"hosts (rank {liveness.host} died or closed it): {exc}",
                 peer=liveness.host) from None
+        failure = stopped() if stopped is not None else None
+        if failure is not None:
+            raise failure
         if liveness is not None:
             try:
                 liveness.check(what, ranks)
