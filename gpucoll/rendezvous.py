@@ -409,9 +409,19 @@ def join_group(store: Any, rank: int, size: int, *, job: str | None, timeout: fl
     return space
 
 
-# set by ``gpucoll run`` in the job's store when a rank fails and it stops the job:
-# "<exit status>:rank R on node N failed (<how>)"
+# set by ``gpucoll run`` in the job's store when a rank fails and it stops the job
 LAUNCHER_ABORT = "gpucoll-launch/abort"
+
+
+def launcher_abort(status: int, rank: int, reason: str) -> bytes:
+    """The value of ``LAUNCHER_ABORT``: the job's exit status, the rank that failed, and why."""
+    return f"{status}:{rank}:{reason}".encode()
+
+
+def read_launcher_abort(value: bytes) -> tuple[int, int, str]:
+    """(status, rank, reason) from a ``launcher_abort`` value."""
+    status, rank, reason = value.decode("utf-8", "replace").split(":", 2)
+    return int(status), int(rank), reason
 
 
 def launcher_stopped(store: Any, what: str, rank: int, size: int) -> PeerFailure | None:
@@ -424,10 +434,9 @@ def launcher_stopped(store: Any, what: str, rank: int, size: int) -> PeerFailure
         return None  # a store that cannot answer: the wait's own checks report it
     if value is None:
         return None
-    reason = value.decode("utf-8", "replace").partition(":")[2]
-    culprit = re.match(r"rank (\d+) ", reason)
+    _, culprit, reason = read_launcher_abort(value)
     return PeerFailure(f"{what} on rank {rank} of {size}: the launcher is stopping the job: "
-                       f"{reason}", peer=int(culprit.group(1)) if culprit else None)
+                       f"{reason}", peer=culprit)
 
 
 def _fit(space: Any, rank: int, size: int) -> bool:

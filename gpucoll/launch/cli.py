@@ -22,7 +22,7 @@ import threading
 from gpucoll.errors import LaunchError, StoreError
 from gpucoll.launch.config import LaunchConfig, bindings, validate, visible_gpus
 from gpucoll.launch.supervisor import Job, RemoteAbort, console
-from gpucoll.rendezvous import LAUNCHER_ABORT, store_url
+from gpucoll.rendezvous import LAUNCHER_ABORT, launcher_abort, read_launcher_abort, store_url
 
 NO_GPU_MIN_RANKS, NO_GPU_MAX_RANKS = 2, 4  # -n's default without GPUs: the cores, within these
 NO_GPU_RANKS_HELP = (f"this machine's CPU cores, at least {NO_GPU_MIN_RANKS} and at most "
@@ -232,14 +232,14 @@ class JobStore:
                 continue
             except StoreError:
                 return  # the store went away: node 0 finished; nothing more to hear
-            status, _, reason = self.store.get(ABORT).decode().partition(":")
-            events.put(RemoteAbort(int(status), reason))
+            status, _, reason = read_launcher_abort(self.store.get(ABORT))
+            events.put(RemoteAbort(status, reason))
             return
 
-    def abort(self, status: int, reason: str) -> None:
+    def abort(self, status: int, rank: int, reason: str) -> None:
         """Tell every other node to stop its ranks, and the ranks still starting up that the
-        job is over (the first abort wins)."""
-        self.store.compare_set(ABORT, b"", f"{status}:{reason}".encode())
+        job is over because ``rank`` failed (the first abort wins)."""
+        self.store.compare_set(ABORT, b"", launcher_abort(status, rank, reason))
 
     def finish(self, status: int) -> int:
         """Record this node's exit status; node 0 waits for the others (the store is theirs

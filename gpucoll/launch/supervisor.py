@@ -450,7 +450,7 @@ class Job:
         self.interrupt: Received | None = None
         self.timed_out = False
         self.remote: RemoteAbort | None = None
-        self.on_failure = lambda status, reason: None  # tells the other nodes
+        self.on_failure = lambda status, rank, reason: None  # tells the other nodes
         self.deadlines = Deadlines()
         self.start = 0.0
         self.store_url = ""
@@ -519,7 +519,7 @@ class Job:
                 self.stopped = [p.rank for p in self._running()
                                 if process_state(p.pid) == "stopped"]
                 self._schedule_stop(term_after=self.cfg.grace)
-                self.on_failure(exit_status(event.returncode),
+                self.on_failure(exit_status(event.returncode), event.rank,
                                 f"rank {event.rank} on node {self.cfg.node_rank} failed "
                                 f"({describe(event.returncode)})")
         elif isinstance(event, Received):
