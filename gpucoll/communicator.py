@@ -1012,12 +1012,10 @@ _KINDS = ("host", "device")
 
 
 def _into(out: np.ndarray, x: np.ndarray, run: Callable) -> Callable:
-    """``run`` (a lean in-place call) on ``out`` once ``x`` is copied there: an out-of-place
-    call is the in-place one on ``out``, as the general path makes it."""
-    def copied(flat: np.ndarray, arg: Any, seq: int, timeout: float) -> None:
-        np.copyto(out, x)
-        run(flat, arg, seq, timeout)
-    return copied
+    """``run`` (a lean all_reduce) of ``x``'s values into ``out``: out of place."""
+    def outside(flat: np.ndarray, arg: Any, seq: int, timeout: float) -> None:
+        run(flat, arg, seq, timeout, src=x.reshape(-1))
+    return outside
 
 
 def _layout(dtype: np.dtype, shape: tuple[int, ...], kind: str) -> bytes:

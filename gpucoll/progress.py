@@ -151,7 +151,7 @@ def diagnose(positions: dict[int, Position], silent: list[int]) -> str:
     parts = []
     for i, ((_, where), ranks) in enumerate(ordered):
         verb = "is" if len(ranks) == 1 else "are"
-        if i == 0 and len(ordered) > 1:
+        if i == 0 and ordered[0][0][0] < ordered[-1][0][0]:
             verb += " behind,"
         parts.append(f"{ranks_text(ranks)} {verb} {where}")
     if silent:

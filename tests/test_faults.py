@@ -204,9 +204,9 @@ def test_losing_the_store_that_rank_0_hosts_names_rank_0(store_addr, transport, 
         _check(o, PeerFailure, 0, "all_reduce on rank", "lost the store, which rank 0")
 
 
-# elements of an all_reduce that 4 ranks on shared memory make in two rounds, in float32 or
-# float64 (a block of 200,000 or 400,000 bytes fits one round; the whole buffer does not)
-TWO_ROUNDS = 200_000
+# elements of an all_reduce that 4 ranks on shared memory make through their outboxes, in
+# float32 or float64 (800,000 or 1,600,000 bytes: more than one round of messages carries)
+OUTBOXES = 200_000
 
 
 def _killed_mid_all_reduce(rank, n, addr, count=1 << 20):
@@ -232,9 +232,9 @@ def test_a_rank_killed_mid_collective_is_named_by_every_survivor(store_addr, tra
 
 
 @pytest.mark.parametrize("transport", ["shm", "shm-python"])
-def test_a_rank_killed_mid_a_two_round_all_reduce_is_named_by_every_survivor(store_addr,
-                                                                            transport):
-    outcomes = spawn(_killed_mid_all_reduce, 4, store_addr, TWO_ROUNDS, env=_env(transport),
+def test_a_rank_killed_before_an_all_reduce_through_the_outboxes_is_named_by_every_survivor(
+        store_addr, transport):
+    outcomes = spawn(_killed_mid_all_reduce, 4, store_addr, OUTBOXES, env=_env(transport),
                      check=False)
     assert outcomes[1].exitcode == -signal.SIGKILL
     for o in outcomes[:1] + outcomes[2:]:
@@ -590,9 +590,9 @@ CALLS = {
     # both read in place from the rings at 2 ranks; at 3 and 4 one side takes the general path
     "half-ring size": lambda comm, odd: comm.all_reduce(np.ones(200_000 if odd else 131_071,
                                                                 np.float32)),
-    # two rounds on both sides at 4 ranks, in blocks of other sizes
-    "two-round size": lambda comm, odd: comm.all_reduce(
-        np.ones(TWO_ROUNDS + 4 if odd else TWO_ROUNDS, np.float32)),
+    # through the outboxes on both sides at 4 ranks
+    "outbox size": lambda comm, odd: comm.all_reduce(
+        np.ones(OUTBOXES + 4 if odd else OUTBOXES, np.float32)),
 }
 
 
@@ -656,9 +656,9 @@ def test_a_root_whose_message_a_finished_and_closed_peer_cannot_take_raises_a_mi
 
 
 @pytest.mark.parametrize("transport", ["shm", "shm-python"])
-def test_ranks_that_disagree_on_a_two_round_all_reduce_all_raise_a_mismatch(store_addr,
-                                                                            transport):
-    outcomes = spawn(_disagree, 4, store_addr, "two-round size", env=_env(transport),
+def test_ranks_that_disagree_on_an_all_reduce_through_the_outboxes_all_raise_a_mismatch(
+        store_addr, transport):
+    outcomes = spawn(_disagree, 4, store_addr, "outbox size", env=_env(transport),
                      check=False)
     for o in outcomes:
         assert o.value is not None, f"rank {o.rank} returned without an error: {o.trace}"
@@ -703,9 +703,9 @@ def test_a_stopped_rank_is_named_with_where_it_stopped_by_every_other_rank(store
 
 
 @pytest.mark.parametrize("transport", ["shm", "shm-python"])
-def test_a_rank_stopped_before_a_two_round_all_reduce_is_named_by_every_other_rank(store_addr,
-                                                                                   transport):
-    _check_stopped(spawn(_one_rank_stops, 4, store_addr, TWO_ROUNDS, env=_env(transport),
+def test_a_rank_stopped_before_an_all_reduce_through_the_outboxes_is_named_by_every_other_rank(
+        store_addr, transport):
+    _check_stopped(spawn(_one_rank_stops, 4, store_addr, OUTBOXES, env=_env(transport),
                          timeout=60), 4)
 
 
@@ -876,3 +876,89 @@ def test_forcing_shared_memory_on_a_weakly_ordered_cpu_is_refused_with_the_reaso
     for text in spawn(_forced_shm, 2, store_addr,
                       env={"GPUCOLL_CPU_MACHINE": "aarch64", "GPUCOLL_TRANSPORT": "shm"}):
         assert text is not None and "not safe on this CPU" in text
+
+
+# -- 12. a rank killed, stopped or aborted in the middle of an all_reduce through the outboxes --
+
+def _when_staged(call: int, then) -> None:
+    """Run ``then()`` once this rank has staged its first slot in its ``call``-th all_reduce
+    through the outboxes (counting from 0): its peers are then waiting on its counters."""
+    from gpucoll.transport import shm
+
+    real, seen = shm.Outboxes.publish, []
+
+    def publish(self, counter, value):
+        real(self, counter, value)
+        if counter == shm.STAGED and self.used == 4 * call:  # 4 slots a call
+            seen.append(value)
+            if len(seen) == 1:
+                then()
+    shm.Outboxes.publish = publish
+
+
+def _mid_outboxes(rank, n, addr, event):
+    """Two all_reduces of 4 MiB between ranks on one host; in the third, rank 1 is killed or
+    stopped once it has staged its first slot, or (``abort``) holds on there while rank 0,
+    waiting for it, is aborted by a watchdog thread."""
+    side = _side(addr)
+    x = np.ones(1 << 20, np.float32)  # 4 slots of 1 MiB
+    if rank == 1 and event == "killed":
+        _when_staged(2, lambda: _die(side))
+    elif rank == 1 and event == "stopped":
+        _when_staged(2, lambda: (side.set("victim-pid", str(os.getpid())), side.set(
+            "died", repr(time.time())), os.kill(os.getpid(), signal.SIGSTOP)))
+    elif rank == 1:
+        _when_staged(2, lambda: (side.set("died", repr(time.time())),
+                                 side.wait(["raised/0"], timeout=LONG)))
+    comm = _open(rank, n, addr)
+    try:
+        for _ in range(2):
+            comm.all_reduce(x)
+        if rank == 0 and event == "abort":  # once rank 1 holds on, inside the call
+            threading.Thread(target=lambda: (_side(addr).wait(["died"], timeout=LONG),
+                                             time.sleep(0.5), comm.abort(
+                                                 "the step took too long")),
+                             daemon=True).start()
+        comm.all_reduce(x, timeout=3.0 if event == "stopped" else None)
+    except GpucollError as exc:
+        return _outcome(exc, side)
+    finally:
+        if rank == 0:
+            side.set("raised/0", b"")
+        if event == "stopped" and rank != 1:
+            side.set(f"raised/{rank}", "1")
+        if event == "stopped" and rank == 0:
+            side.wait([f"raised/{r}" for r in range(n) if r != 1], timeout=LONG)
+            os.kill(int(side.get("victim-pid", timeout=LONG)), signal.SIGCONT)
+        _close_quietly(comm)
+    return None
+
+
+@pytest.mark.parametrize("transport", ["shm", "shm-python"])
+@pytest.mark.parametrize("n", [3, 4])
+def test_a_rank_killed_in_the_middle_of_an_all_reduce_through_the_outboxes_is_named_fast(
+        store_addr, transport, n):
+    outcomes = spawn(_mid_outboxes, n, store_addr, "killed", env=_env(transport), check=False)
+    assert outcomes[1].exitcode == -signal.SIGKILL
+    for o in outcomes[:1] + outcomes[2:]:
+        _check(o, PeerFailure, 1, "all_reduce #", "rank 1")
+
+
+@pytest.mark.parametrize("transport", ["shm", "shm-python"])
+def test_a_rank_stopped_in_the_middle_of_an_all_reduce_through_the_outboxes_is_named(
+        store_addr, transport):
+    outcomes = spawn(_mid_outboxes, 4, store_addr, "stopped", env=_env(transport), check=False,
+                     timeout=60)
+    for o in outcomes[:1] + outcomes[2:]:  # at their 3 s deadline, not at once
+        assert o.value is not None, o.trace
+        name, named, text, since = o.value
+        assert name == "CollectiveTimeout" and named == 1 and since < 3 + BOUND_S, text
+        assert "rank 1 is in all_reduce #2 and does not respond (stopped?)" in text, text
+
+
+@pytest.mark.parametrize("transport", ["shm", "shm-python"])
+def test_abort_ends_a_wait_in_the_outboxes_and_its_peers_learn_why(store_addr, transport):
+    outcomes = spawn(_mid_outboxes, 3, store_addr, "abort", env=_env(transport), check=False)
+    _check(outcomes[0], GpucollError, None, "aborted", "the step took too long")
+    for o in outcomes[1:]:
+        _check(o, PeerFailure, 0, "rank 0", "the step took too long")

@@ -476,50 +476,125 @@ def test_ranks_on_the_small_and_the_general_path_meet_in_one_call(store_addr, co
                  env={"GPUCOLL_TRANSPORT": "shm"}) == [True] * 3
 
 
-def test_an_all_reduce_goes_in_two_rounds_from_four_ranks_when_only_its_blocks_fit_one():
-    from gpucoll.backends.ring_algos import in_two_rounds
+# -- the outboxes: large all_reduces among ranks that all share a host --------------------------
 
-    x = np.zeros(4 * 1000, np.float32)  # 16,000 bytes in blocks of 4,000
-    assert in_two_rounds(x, 4, 4000)
-    assert not in_two_rounds(x, 4, 3999)  # a block does not fit one round
-    assert not in_two_rounds(x, 4, 16000)  # the whole buffer does: one round
-    assert not in_two_rounds(x, 3, 8000)  # three ranks keep the ring (measured no faster)
-    assert not in_two_rounds(x[:-1], 4, 4000)  # blocks of unequal size keep the ring
-    assert not in_two_rounds(x, 4, -1)  # a link that is not shared memory
+def test_only_an_all_reduce_too_large_for_one_round_among_three_or_more_ranks_takes_the_outboxes():
+    from types import SimpleNamespace
+
+    from gpucoll.backends.ring_algos import use_outboxes
+
+    boxes = SimpleNamespace(ranks=[0, 1, 2, 3])
+    assert use_outboxes(boxes, 1001, 4, 1000)
+    assert not use_outboxes(boxes, 1000, 4, 1000)  # one round of messages carries it
+    assert not use_outboxes(None, 1001, 4, 1000)  # a peer on another host: no outboxes
+    assert not use_outboxes(SimpleNamespace(ranks=[0, 1]), 1001, 2, 1000)  # two: the ring
+    assert not use_outboxes(boxes, 1001, 3, 1000)  # a part of the host's ranks
+    assert not use_outboxes(boxes, 1001, 4, -1)  # a link that is not shared memory
 
 
-def _two_rounds_meet(rank, n, addr):
-    """Rank 1 takes the general path, the others the small path, of all_reduces whose blocks
-    of 200,000 bytes go in one round each: a reduce-scatter round, then an all-gather round."""
+SLOT = 262_144  # float32 elements in one slot of an outbox (1 MiB)
+# (dtype, op, count): two whole slots; a last slot of 5 elements, where some ranks' shares are
+# empty; sizes that are no multiple of anything; more than a slot of one-byte elements
+OUTBOX_CASES = [("float32", "sum", 2 * SLOT), ("float32", "avg", 3 * SLOT + 5),
+                ("int64", "max", 300_007), ("float64", "prod", 200_001),
+                ("int8", "min", 1_500_001), ("bfloat16", "sum", 700_001),
+                ("complex64", "sum", 200_003), ("uint16", "bxor", 600_009)]
+
+
+def _fold_reference(n: int, count: int, dtype: np.dtype, op: str, salt: int) -> np.ndarray:
+    """Every rank's ``data`` folded left to right in rank order, as the outboxes fold."""
+    from gpucoll.ops import finish_avg, host_ufunc
+
+    ufunc = host_ufunc(ReduceOp(op))
+    want = data(0, count, dtype, salt)
+    for r in range(1, n):
+        want = ufunc(want, data(r, count, dtype, salt))
+    if op == "avg":
+        finish_avg(want, n)
+    return want
+
+
+def _through_the_outboxes(rank, n, addr):
+    """Every case in place, out of place and asynchronously, between collectives of other
+    paths; returns the cases whose result differs from the reference and how many calls went
+    through the outboxes."""
     import gpucoll
-    from gpucoll.backends import ring, ring_algos
+    from gpucoll.backends import ring_algos
 
-    taken = []
-    if rank == 1:
-        real = ring_algos.in_two_rounds
-        ring_algos.in_two_rounds = lambda *a: taken.append(real(*a)) or taken[-1]
-    else:
-        real = ring.RingBackend._small_two_rounds
-        ring.RingBackend._small_two_rounds = lambda *a: taken.append(True) or real(*a)
-    k = 50_000
-    with gpucoll.init("ring", rank=rank, world_size=n, store=addr, timeout=30) as comm:
-        if rank == 1:
-            comm._lean_backend._small_bytes = 0
-        exact = []
-        for dtype, op in (("float32", "sum"), ("int64", "max"), ("float64", "avg")):
-            got = np.concatenate([data(rank, k, np.dtype(dtype), salt=j) for j in range(n)])
-            comm.all_reduce(got, op=op)
-            vals = [np.concatenate([data(r, k, np.dtype(dtype), salt=j) for j in range(n)])
-                    for r in range(n)]
-            want = vals[0].copy()
-            for v in vals[1:]:  # rank order, as the reduce-scatter round folds
-                want = np.maximum(want, v) if op == "max" else want + v
-            if op == "avg":
-                want /= n
-            exact.append(got.tobytes() == want.tobytes())
-        return exact, any(taken)
+    real, calls = ring_algos.all_reduce_outboxes, []
+    ring_algos.all_reduce_outboxes = lambda *a: calls.append(1) or real(*a)
+    wrong = []
+    with gpucoll.init("ring", rank=rank, world_size=n, store=addr, timeout=60) as comm:
+        for i, (name, op, count) in enumerate(OUTBOX_CASES):
+            dtype = _dtype(name)
+            want = _fold_reference(n, count, dtype, op, i)
+            x = data(rank, count, dtype, i)
+            out = comm.all_reduce(x, op=op, out=np.empty_like(x))
+            comm.all_reduce(x, op=op)
+            y = data(rank, count, dtype, i)
+            comm.all_reduce(y, op=op, async_op=True).wait()
+            for how, got in (("out of place", out), ("in place", x), ("async", y)):
+                if got.tobytes() != want.tobytes():
+                    wrong.append(f"{name} {op} {count} {how}")
+            small = np.full(3, rank, np.float32)
+            comm.broadcast(small, root=i % n)  # other paths between: the counters go on
+            if not (small == i % n).all():
+                wrong.append(f"broadcast after {name}")
+    return wrong, len(calls)
 
 
-def test_ranks_on_the_small_and_the_general_path_meet_in_a_two_round_all_reduce(store_addr):
-    assert spawn(_two_rounds_meet, 4, store_addr, timeout=90,
-                 env={"GPUCOLL_TRANSPORT": "shm"}) == [([True] * 3, True)] * 4
+@pytest.mark.parametrize("n", [3, 4])
+def test_large_all_reduces_through_the_outboxes_are_exact_in_every_form(store_addr, n):
+    results = spawn(_through_the_outboxes, n, store_addr, timeout=240,
+                    env={"GPUCOLL_TRANSPORT": "shm"})
+    assert results == [([], 3 * len(OUTBOX_CASES))] * n
+
+
+def _outbox_input_kept(rank, n, addr):
+    """Out of place, the input is only read."""
+    import gpucoll
+
+    with gpucoll.init("ring", rank=rank, world_size=n, store=addr, timeout=60) as comm:
+        x = data(rank, 3 * SLOT + 11, np.dtype("float32"))
+        before = x.copy()
+        x.flags.writeable = False
+        out = comm.all_reduce(x, out=np.zeros_like(x))
+        return x.tobytes() == before.tobytes(), float(out[0]), float(sum(
+            data(r, 3 * SLOT + 11, np.dtype("float32"))[0] for r in range(n)))
+
+
+def test_an_out_of_place_all_reduce_through_the_outboxes_leaves_its_input_alone(store_addr):
+    for kept, got, want in spawn(_outbox_input_kept, 3, store_addr, timeout=90,
+                                 env={"GPUCOLL_TRANSPORT": "shm"}):
+        assert kept and got == want
+
+
+def _outboxes_with_messages_in_flight(rank, n, addr):
+    """Rank 0 sends rank 1 a message larger than their ring, both without waiting, before a
+    large all_reduce: their engines are busy with it, and they must still meet the others in
+    the outboxes (after it, on their link), and the message must arrive whole."""
+    import gpucoll
+    from gpucoll.backends import ring_algos
+
+    real, busy = ring_algos.all_reduce_outboxes, []
+    ring_algos.all_reduce_outboxes = lambda s, *a: busy.append(
+        bool(s.engine.active or s.engine.inbox)) or real(s, *a)
+    count, big = 3 * SLOT + 7, np.arange(4_000_000, dtype=np.float32)
+    with gpucoll.init("ring", rank=rank, world_size=n, store=addr, timeout=60) as comm:
+        inbox = np.zeros_like(big)
+        work = comm.send(big, dst=1, async_op=True) if rank == 0 else \
+            comm.recv(inbox, src=0, async_op=True) if rank == 1 else None
+        x = data(rank, count, np.dtype("float32"))
+        comm.all_reduce(x)
+        if work is not None:
+            work.wait()
+        exact = x.tobytes() == _fold_reference(n, count, np.dtype("float32"), "sum", 0).tobytes()
+        return exact, rank != 1 or np.array_equal(inbox, big), busy
+
+
+def test_a_rank_with_messages_in_flight_meets_the_others_in_the_outboxes(store_addr):
+    assert spawn(_outboxes_with_messages_in_flight, 3, store_addr, timeout=90,
+                 env={"GPUCOLL_TRANSPORT": "shm"}) == [(True, True, [True])] * 2 + [
+                     (True, True, [False])]
+
+

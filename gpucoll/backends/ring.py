@@ -128,7 +128,7 @@ class RingBackend(GroupedRing, Backend):
         self.use_order(order)
         busy = self._mesh.local_ranks > CORES
         self._engine = Engine(rank, self._mesh.links, self._mesh.bell, self._state, busy,
-                              describe=algos.describe_frame)
+                              describe=algos.describe_frame, outboxes=self._mesh.outboxes)
         self._monitor = Monitor(rank, self._mesh.control, self._mesh.bell, self._state,
                                 self.progress, self._unconsumed)
         peers = [link for link in self._mesh.links if link is not None]
@@ -332,7 +332,8 @@ class RingBackend(GroupedRing, Backend):
         err = CollectiveTimeout(f"{exc}. Where the ranks are: {diagnose(positions, silent)}")
         lowest = min(p.order for p in positions.values())
         behind = [r for r, p in positions.items() if p.order == lowest]
-        stuck = silent or ([] if len(behind) == len(positions) else behind)
+        stopped = [r for r in behind if not positions[r].responsive]
+        stuck = silent or stopped or ([] if len(behind) == len(positions) else behind)
         err.peer = stuck[0] if stuck else exc.peer
         return err
 
@@ -411,13 +412,19 @@ class RingBackend(GroupedRing, Backend):
         self._call("barrier", timeout, self._frame("barrier", _TOKEN), algos.barrier)
 
     # -- the lean path: flat host arrays, called between the communicator's progress marks --
-    def host_all_reduce(self, x: np.ndarray, op: ReduceOp, seq: int, timeout: float) -> None:
-        """all_reduce of the flat host array ``x`` as collective ``seq``."""
+    def host_all_reduce(self, x: np.ndarray, op: ReduceOp, seq: int, timeout: float,
+                        src: np.ndarray | None = None) -> None:
+        """all_reduce of the flat host array ``x`` as collective ``seq``; with ``src`` (flat,
+        the same size) out of place: ``src``'s values reduced into ``x``."""
         if self._inflight:
             self.run_sync(_nothing)  # after the asynchronous calls issued before it
+        hdr = algos.frame(_ALL_REDUCE, seq, x.dtype, x.size, -1, op)
+        if src is not None:
+            if self._outbox_all_reduce(src, x, op, hdr, timeout):
+                return
+            np.copyto(x, src)
         if self.size == 1 and self._error is None:  # nothing to exchange (x / 1 is x)
             return
-        hdr = algos.frame(_ALL_REDUCE, seq, x.dtype, x.size, -1, op)
         done = self._native_all_reduce(x, op, hdr)
         if done is True:
             return
@@ -454,20 +461,24 @@ class RingBackend(GroupedRing, Backend):
     def _all_reduce(self, x: np.ndarray, op: ReduceOp, hdr: bytes, timeout: float,
                     name: _CallName, sent: bool = False) -> None:
         """Small messages between ranks on shared memory take a tight path of their own (which
-        ``sent`` says has already put this rank's messages out), and so do the two rounds of an
-        all_reduce whose blocks are small (``algos.in_two_rounds``)."""
+        ``sent`` says has already put this rank's messages out)."""
         if sent or 0 < x.nbytes <= self._small_bytes and self._idle_engine():
             deadline = time.monotonic() + timeout
             self._drive_locked(deadline, name,
                                lambda: self._small_all_reduce(x, op, hdr, deadline, name, sent))
             return
-        if algos.in_two_rounds(x, self.size, self._small_bytes) and self._idle_engine():
-            deadline = time.monotonic() + timeout
-            self._drive_locked(deadline, name,
-                               lambda: self._small_two_rounds(x, op, hdr, deadline, name))
-            return
         self._reducing("all_reduce", timeout, hdr, algos.all_reduce, x, host_ufunc(op),
                        self._finish(op, self.size))
+
+    def _outbox_all_reduce(self, x: np.ndarray, out: np.ndarray, op: ReduceOp, hdr: bytes,
+                           timeout: float) -> bool:
+        """An all_reduce out of place through the outboxes, where ``algos.all_reduce`` would
+        take them (decided alike on every rank), at no cost over in place; False elsewhere."""
+        if not algos.use_outboxes(self._engine.outboxes, x.nbytes, self.size, self._small_bytes):
+            return False
+        self._reducing("all_reduce", timeout, hdr, algos.all_reduce_outboxes, x, out,
+                       host_ufunc(op), self._finish(op, self.size))
+        return True
 
     def _broadcast(self, x: np.ndarray, root: int, hdr: bytes, timeout: float,
                    name: _CallName) -> None:
@@ -503,14 +514,6 @@ class RingBackend(GroupedRing, Backend):
                 finish_avg(x, self.size)
             return
         self._fold_found(links, found, x, op)
-
-    def _small_two_rounds(self, x: np.ndarray, op: ReduceOp, hdr: bytes, deadline: float,
-                          name: _CallName) -> None:
-        """all_reduce as a reduce-scatter round and an all-gather round of this rank's block
-        of ``x`` (the general path's ``algos.in_two_rounds`` schedule, the same messages)."""
-        mine = algos.blocks(x, x.size // self.size, self.size)[self.rank]
-        self._small_reduce_scatter(x, mine, op, hdr, deadline, name)  # (folds quietly)
-        self._small_all_gather(mine, x, hdr, deadline, name)
 
     def _fold_found(self, links, found: list[int], acc: np.ndarray, op: ReduceOp) -> None:
         """``acc`` (this rank's value) := the fold in rank order of it and each link's message

@@ -266,9 +266,10 @@ class Engine:
     """
 
     def __init__(self, rank: int, links: list, bell: int, state: State, oversubscribed: bool,
-                 describe=bytes.hex):
+                 describe=bytes.hex, outboxes=None):
         self.rank = rank
         self.links = links
+        self.outboxes = outboxes  # shm.Outboxes when every peer shares this host
         self.bell = bell
         self.state = state
         self.describe = describe
@@ -477,6 +478,8 @@ class Engine:
 
         def small_detail() -> str:
             link, verb = (waiting[0], "receive from") if waiting else (unsent[0], "send to")
+            if nbytes == FRAME_BYTES:  # a header alone: the outboxes' start (ring_algos)
+                return f"to {verb} rank {link.peer} (the start of the call)"
             return f"to {verb} rank {link.peer} (0 of {nbytes - FRAME_BYTES} bytes done)"
 
         now = time.monotonic()
@@ -511,6 +514,38 @@ class Engine:
 
         return self._back_off(idle_since, now, sleep, deadline, opname, small_detail)
 
+    def idle_shared(self, idle_since: float, deadline: float, opname: str, detail,
+                    can_move) -> float:
+        """Nothing moved in an exchange through the outboxes' counters: the failure, deadline
+        and back-off rules of ``_idle_small``; asleep, this rank's ASLEEP flag asks the peers
+        to ring its doorbell when they move (``can_move()`` re-checks after raising it)."""
+        if self.state.failure is not None:
+            raise self._in_op(self.state.failure, opname)
+        now = time.monotonic()
+        if now >= deadline:
+            raise CollectiveTimeout(f"{opname} on rank {self.rank} timed out: waiting {detail()}")
+        boxes = self.outboxes
+
+        def sleep(deadline: float) -> None:
+            boxes.asleep(1)
+            try:
+                if can_move():
+                    return
+                state = self.state
+                for j in boxes.ranks:
+                    if j in state.closed_peers or j in state.ended:
+                        raise self._gone_peer(j, False, FRAME_BYTES, opname)
+                if self.active or self.inbox:  # non-blocking messages wake it too
+                    self._sleep(deadline)
+                else:
+                    wait_ms = min(NAP_MS, max((deadline - time.monotonic()) * 1000, 0))
+                    if self.poller.poll(wait_ms):
+                        self._drain_bell()
+            finally:
+                boxes.asleep(0)
+
+        return self._back_off(idle_since, now, sleep, deadline, opname, detail)
+
     def drive(self, stop) -> None:
         """Move non-blocking messages until none is left or ``stop()`` says to yield."""
         self._take_inbox()
@@ -521,29 +556,41 @@ class Engine:
         return bool(self._background or self.inbox)
 
     def _drive(self, going, deadline: float | None) -> None:
-        active = self.active
         idle_since = 0.0
         while going():
-            op = None
-            try:
-                moved = False
-                for op in active:
-                    if op.step():
-                        moved = True
-            except PeerFailure as exc:
-                raise self._in_op(self._root_cause(exc, op.deadline), op.opname) from None
-            except FrameMismatch as exc:
-                raise self._mismatch(exc, op.opname) from None
-            if moved:
-                done = [op for op in active if op.off >= op.nbytes]
-                if done:
-                    self._complete(done)
+            if self._step_active():
                 idle_since = 0.0
                 continue
             if self.inbox:
                 self._take_inbox()
                 continue
             idle_since = self._idle(idle_since, deadline)
+
+    def _step_active(self) -> bool:
+        """Move every posted message as far as its link allows; True when any moved."""
+        active = self.active
+        op = None
+        try:
+            moved = False
+            for op in active:
+                if op.step():
+                    moved = True
+        except PeerFailure as exc:
+            raise self._in_op(self._root_cause(exc, op.deadline), op.opname) from None
+        except FrameMismatch as exc:
+            raise self._mismatch(exc, op.opname) from None
+        if moved:
+            done = [op for op in active if op.off >= op.nbytes]
+            if done:
+                self._complete(done)
+        return moved
+
+    def poke(self) -> bool:
+        """One pass over the posted non-blocking messages, for a wait that is not the engine's
+        own (the outboxes'); True when any moved."""
+        if self.inbox:
+            self._take_inbox()
+        return self._step_active()
 
     def _complete(self, done: list[Op]) -> None:
         for op in done:

@@ -145,6 +145,7 @@ class Mesh:
         self.transport = resolve_transport(transport)
         self.control: dict[int, socket.socket] = {}
         self.links: list = [None] * size
+        self.outboxes: shm.Outboxes | None = None  # set when every peer shares this host
         self.bell = os.eventfd(0, os.EFD_NONBLOCK | os.EFD_CLOEXEC)
         self.local_ranks = 1
         self.peers: list[dict] = []  # every rank's published facts (host, pid, progress fd)
@@ -290,39 +291,64 @@ class Mesh:
             self._liveness.check("ring set-up", ranks)
 
     def _share_rings(self, shm_peers: list[int], prefix: str, deadline: float) -> None:
-        """Create each inbound ring, pass it and our doorbell to the peer, map theirs."""
+        """Create each inbound ring, pass it, our doorbell and (when every peer is on this
+        host) our outbox to the peer, map theirs."""
         cap = shm.ring_bytes(len(shm_peers))
         inbound: dict[int, shm.Ring] = {}
-        for j in shm_peers:
-            fd = shm.create_segment(f"{prefix}-ring-{j}to{self.rank}", cap)
-            try:
-                inbound[j] = shm.Ring(fd)
-                socket.send_fds(self.control[j], [b"R"], [fd, self.bell])
-            finally:
-                os.close(fd)
-        for j in shm_peers:
-            sock = self.control[j]
-            sock.settimeout(max(deadline - time.monotonic(), 0.001))
-            try:
-                msg, fds, _, _ = socket.recv_fds(sock, 1, 2)
-            except TimeoutError:
-                raise CollectiveTimeout(
-                    f"ring set-up on rank {self.rank}: rank {j} did not share its memory in time"
-                ) from None
-            finally:
-                sock.settimeout(None)
-            if msg != b"R" or len(fds) != 2:
-                for fd in fds:
+        boxes: dict[int, shm.Ring] = {}
+        whole = len(shm_peers) == self.size - 1
+        box_fd = shm.create_segment(f"{prefix}-outbox-{self.rank}", shm.OUTBOX) if whole else -1
+        try:
+            if whole:
+                boxes[self.rank] = shm.Ring(box_fd)
+            for j in shm_peers:
+                fd = shm.create_segment(f"{prefix}-ring-{j}to{self.rank}", cap)
+                try:
+                    inbound[j] = shm.Ring(fd)
+                    socket.send_fds(self.control[j], [b"R"], [fd, self.bell, box_fd][:2 + whole])
+                finally:
                     os.close(fd)
-                raise PeerFailure(f"rank {j} left during ring set-up", peer=j)
-            ring_fd, peer_bell = fds
-            try:
-                outbound = shm.Ring(ring_fd)
-            finally:
-                os.close(ring_fd)
-            self.links[j] = shm.ShmLink(j, outbound, inbound.pop(j), peer_bell)
-        for ring in inbound.values():
-            ring.close()
+            for j in shm_peers:
+                self._map_peer(j, inbound, boxes, 2 + whole, deadline)
+        except BaseException:
+            for ring in [*inbound.values(), *boxes.values()]:
+                ring.close()
+            raise
+        finally:
+            if box_fd >= 0:
+                os.close(box_fd)
+        if whole:
+            self.outboxes = shm.Outboxes(self.rank, boxes, self.links)
+
+    def _map_peer(self, j: int, inbound: dict, boxes: dict, nfds: int, deadline: float) -> None:
+        """Receive rank ``j``'s ring (its doorbell, its outbox) and make the link."""
+        sock = self.control[j]
+        sock.settimeout(max(deadline - time.monotonic(), 0.001))
+        try:
+            msg, fds, _, _ = socket.recv_fds(sock, 1, nfds)
+        except TimeoutError:
+            raise CollectiveTimeout(
+                f"ring set-up on rank {self.rank}: rank {j} did not share its memory in time"
+            ) from None
+        finally:
+            sock.settimeout(None)
+        if msg != b"R" or len(fds) != nfds:
+            for fd in fds:
+                os.close(fd)
+            raise PeerFailure(f"rank {j} left during ring set-up", peer=j)
+        ring_fd, peer_bell, *box = fds
+        try:
+            outbound = shm.Ring(ring_fd)
+            if box:
+                boxes[j] = shm.Ring(box[0])
+        except BaseException:
+            os.close(peer_bell)
+            raise
+        finally:
+            os.close(ring_fd)
+            if box:
+                os.close(box[0])
+        self.links[j] = shm.ShmLink(j, outbound, inbound.pop(j), peer_bell)
 
     def progress_of(self, j: int) -> bytes | None:
         """Rank ``j``'s progress record read from its memory (same host only; works while it is
@@ -361,6 +387,9 @@ class Mesh:
 
     def close(self) -> None:
         """Close every link, control connection and the doorbell; idempotent."""
+        if self.outboxes is not None:
+            self.outboxes.close()
+            self.outboxes = None
         for i, link in enumerate(self.links):
             if link is not None:
                 link.close()

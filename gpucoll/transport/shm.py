@@ -44,6 +44,8 @@ HEADER = 256
 HEAD, TX_SLEEP, TAIL, RX_SLEEP = 0, 1, 16, 17  # int64 slots of the header
 PIECE = 512 << 10  # bytes moved per step: the peer works on the previous piece meanwhile
 WHOLE = 1 << 20  # messages up to this size (and half a ring) never wrap: read in place
+OUTBOX = 2 << 20  # data bytes of a rank's outbox: two slots, one filling while one drains
+STAGED, FOLDED, TAKEN, ASLEEP = 0, 8, 16, 24  # int64 slots of an outbox's header
 
 
 # CPUs whose memory model (total store order) makes the ring's counter protocol correct
@@ -93,7 +95,7 @@ def _skip_wrap(pos: int, nbytes: int, cap: int) -> int:
 
 
 class Ring:
-    """One mapped ring; ``cap`` is taken from the segment's size."""
+    """One mapped segment (a ring, or an outbox); ``cap`` is taken from its size."""
 
     def __init__(self, fd: int):
         size = os.fstat(fd).st_size
@@ -319,3 +321,52 @@ class ShmLink:
         if self.bell >= 0:
             os.close(self.bell)
             self.bell = -1
+
+
+class Outboxes:
+    """Every rank's outbox, when all the group's ranks share this host: one segment per rank
+    that its owner writes and every rank maps, so data copied in once is read by all the
+    others in place (the large all_reduce, ``ring_algos.all_reduce_outboxes``). Each header
+    counts its owner's slots of work since set-up, for every rank to read: STAGED (its data
+    copied in), FOLDED (its share of the fold written back), TAKEN (the others' shares copied
+    out, so the slot may be reused); ASLEEP says the owner sleeps on its doorbell."""
+
+    slots = 2
+
+    def __init__(self, rank: int, boxes: dict[int, Ring], links: list):
+        self.rank = rank
+        self.ranks = sorted(boxes)
+        self.boxes = boxes
+        self.slot_bytes = boxes[rank].cap // self.slots // 16 * 16
+        self.used = 0  # slots this rank has been through: where its next call counts from
+        self._mine = boxes[rank].ctl
+        self._ctls = [boxes[j].ctl for j in self.ranks]
+        self._links = [links[j] for j in self.ranks if j != rank]
+
+    def slot(self, owner: int, index: int, dtype: np.dtype, count: int) -> np.ndarray:
+        """Slot ``index`` (counted since set-up) of ``owner``'s outbox, typed, in place."""
+        return self.boxes[owner].typed((index % self.slots) * self.slot_bytes, dtype, count)
+
+    def least(self, counter: int) -> int:
+        """The lowest value of ``counter`` over every rank (this one included)."""
+        return min(ctl[counter] for ctl in self._ctls)
+
+    def behind(self, counter: int, value: int) -> int:
+        """A peer whose ``counter`` is below ``value`` (the one a wait waits for), else -1."""
+        return next((j for j, ctl in zip(self.ranks, self._ctls, strict=True)
+                     if j != self.rank and ctl[counter] < value), -1)
+
+    def publish(self, counter: int, value: int) -> None:
+        """Set this rank's ``counter``; ring the peers asleep on their doorbells."""
+        self._mine[counter] = value
+        for link in self._links:
+            if self.boxes[link.peer].ctl[ASLEEP]:
+                link._ring_peer()
+
+    def asleep(self, value: int) -> None:
+        self._mine[ASLEEP] = value
+
+    def close(self) -> None:
+        for box in self.boxes.values():
+            box.close()
+        self.boxes, self._ctls, self._links = {}, [], []
