@@ -570,31 +570,42 @@ def test_an_out_of_place_all_reduce_through_the_outboxes_leaves_its_input_alone(
 
 
 def _outboxes_with_messages_in_flight(rank, n, addr):
-    """Rank 0 sends rank 1 a message larger than their ring, both without waiting, before a
-    large all_reduce: their engines are busy with it, and they must still meet the others in
-    the outboxes (after it, on their link), and the message must arrive whole."""
+    """Rank 0 sends rank 1 a message four times their ring without waiting, then makes a large
+    all_reduce; rank 1 posts its receive only once rank 0 is in that call, then joins it. Rank
+    0's engine is busy with the message when it meets the others in the outboxes (its frame
+    header queues behind it on the link); the message must arrive whole and the sums be exact."""
     import gpucoll
     from gpucoll.backends import ring_algos
+    from gpucoll.store import TCPStore, parse_address
 
+    side = TCPStore(*parse_address(addr), timeout=60)
     real, busy = ring_algos.all_reduce_outboxes, []
-    ring_algos.all_reduce_outboxes = lambda s, *a: busy.append(
-        bool(s.engine.active or s.engine.inbox)) or real(s, *a)
-    count, big = 3 * SLOT + 7, np.arange(4_000_000, dtype=np.float32)
+
+    def spy(s, *args):
+        busy.append(bool(s.engine.active or s.engine.inbox))
+        if rank == 0:
+            side.set("in the call", b"")
+        return real(s, *args)
+
+    ring_algos.all_reduce_outboxes = spy
+    count, big = 3 * SLOT + 7, np.arange(2_000_000, dtype=np.float32)
+    x = data(rank, count, np.dtype("float32"))
     with gpucoll.init("ring", rank=rank, world_size=n, store=addr, timeout=60) as comm:
         inbox = np.zeros_like(big)
-        work = comm.send(big, dst=1, async_op=True) if rank == 0 else \
-            comm.recv(inbox, src=0, async_op=True) if rank == 1 else None
-        x = data(rank, count, np.dtype("float32"))
+        work = comm.send(big, dst=1, async_op=True) if rank == 0 else None
+        if rank == 1:
+            side.wait(["in the call"], timeout=60)
+            work = comm.recv(inbox, src=0, async_op=True)
         comm.all_reduce(x)
         if work is not None:
             work.wait()
         exact = x.tobytes() == _fold_reference(n, count, np.dtype("float32"), "sum", 0).tobytes()
-        return exact, rank != 1 or np.array_equal(inbox, big), busy
+        side.close()
+        return exact, rank != 1 or np.array_equal(inbox, big), rank != 0 or busy == [True]
 
 
 def test_a_rank_with_messages_in_flight_meets_the_others_in_the_outboxes(store_addr):
     assert spawn(_outboxes_with_messages_in_flight, 3, store_addr, timeout=90,
-                 env={"GPUCOLL_TRANSPORT": "shm"}) == [(True, True, [True])] * 2 + [
-                     (True, True, [False])]
+                 env={"GPUCOLL_TRANSPORT": "shm"}) == [(True, True, True)] * 3
 
 
