@@ -234,10 +234,10 @@ def all_reduce_outboxes(s: Step, x: np.ndarray, out: np.ndarray, ufunc,
     one host: each rank copies the other ranks' shares of its data into its outbox once, a
     slot at a time; folds its own share of the slot, in rank order, from every outbox and its
     own data into ``out`` and back into its outbox; and copies the other shares of the slot
-    out of their owners' outboxes. A rank moves about 4.5 times the buffer's bytes (the ring:
-    7) in three hand-overs per slot (the ring: 2(n-1) per segment), and one slot fills while
-    the other drains. Every share's value is made once, by its owner, so every rank ends
-    bit-identical."""
+    out of their owners' outboxes. At 4 ranks a rank reads and writes about 5 times the
+    buffer's bytes (the ring: 7), in three hand-overs per slot (the ring: 2(n-1) per segment),
+    and one slot fills while the other drains. Every share's value is made once, by its owner,
+    so every rank ends bit-identical."""
     engine, boxes, rank = s.engine, s.engine.outboxes, s.rank
     peers = [j for j in boxes.ranks if j != rank]
     links = [engine.links[j] for j in peers]
