@@ -93,6 +93,13 @@ def _check(o, kind: type, peer: int | None, *words: str) -> None:
     assert since < BOUND_S, f"{since:.1f} s: {text}"
 
 
+def _check_rank_1_killed_in_an_all_reduce(outcomes) -> None:
+    """Rank 1 died of SIGKILL, and every other rank raised PeerFailure naming it in time."""
+    assert outcomes[1].exitcode == -signal.SIGKILL
+    for o in outcomes[:1] + outcomes[2:]:
+        _check(o, PeerFailure, 1, "all_reduce #", "rank 1")
+
+
 def _close_quietly(comm) -> None:
     """Close where an error has already been reported (close() may repeat it)."""
     try:
@@ -226,9 +233,7 @@ def _killed_mid_all_reduce(rank, n, addr, count=1 << 20):
 @pytest.mark.parametrize("n", WORLDS)
 def test_a_rank_killed_mid_collective_is_named_by_every_survivor(store_addr, transport, n):
     outcomes = spawn(_killed_mid_all_reduce, n, store_addr, env=_env(transport), check=False)
-    assert outcomes[1].exitcode == -signal.SIGKILL
-    for o in outcomes[:1] + outcomes[2:]:
-        _check(o, PeerFailure, 1, "all_reduce #", "rank 1")
+    _check_rank_1_killed_in_an_all_reduce(outcomes)
 
 
 @pytest.mark.parametrize("transport", ["shm", "shm-python"])
@@ -236,9 +241,7 @@ def test_a_rank_killed_before_an_all_reduce_through_the_outboxes_is_named_by_eve
         store_addr, transport):
     outcomes = spawn(_killed_mid_all_reduce, 4, store_addr, OUTBOXES, env=_env(transport),
                      check=False)
-    assert outcomes[1].exitcode == -signal.SIGKILL
-    for o in outcomes[:1] + outcomes[2:]:
-        _check(o, PeerFailure, 1, "all_reduce #", "rank 1")
+    _check_rank_1_killed_in_an_all_reduce(outcomes)
 
 
 # -- 2. point to point makes progress in every order MPI allows -----------------------------
@@ -939,9 +942,7 @@ def _mid_outboxes(rank, n, addr, event):
 def test_a_rank_killed_in_the_middle_of_an_all_reduce_through_the_outboxes_is_named_fast(
         store_addr, transport, n):
     outcomes = spawn(_mid_outboxes, n, store_addr, "killed", env=_env(transport), check=False)
-    assert outcomes[1].exitcode == -signal.SIGKILL
-    for o in outcomes[:1] + outcomes[2:]:
-        _check(o, PeerFailure, 1, "all_reduce #", "rank 1")
+    _check_rank_1_killed_in_an_all_reduce(outcomes)
 
 
 @pytest.mark.parametrize("transport", ["shm", "shm-python"])

@@ -289,11 +289,12 @@ def all_reduce_outboxes(s: Step, x: np.ndarray, out: np.ndarray, ufunc,
         if can_fold():
             lo, hi, cuts = slot(folded)
             a, b = cuts[rank]
-            _fold_share(boxes, rank, base + folded, x[lo + a:lo + b], out[lo + a:lo + b],
+            share = boxes.slot(rank, base + folded, x.dtype, hi - lo)[a:b]
+            _fold_share(boxes, rank, base + folded, x[lo + a:lo + b], out[lo + a:lo + b], share,
                         (a, b, hi - lo), ufunc)
             if finish is not None:
                 finish(out[lo + a:lo + b])
-            boxes.slot(rank, base + folded, x.dtype, hi - lo)[a:b] = out[lo + a:lo + b]
+            share[...] = out[lo + a:lo + b]
             folded += 1
             boxes.publish(FOLDED, base + folded)
             moved = True
@@ -315,17 +316,18 @@ def all_reduce_outboxes(s: Step, x: np.ndarray, out: np.ndarray, ufunc,
     boxes.used = base + nslots
 
 
-def _fold_share(boxes, rank: int, index: int, mine: np.ndarray, dst: np.ndarray, cut, ufunc):
+def _fold_share(boxes, rank: int, index: int, mine: np.ndarray, dst: np.ndarray,
+                share: np.ndarray, cut, ufunc) -> None:
     """``dst`` := every rank's share ``cut`` = (a, b, count) of slot ``index`` folded in rank
     order, this rank's own value being ``mine`` (which ``dst`` may be). Until ``mine`` is
-    folded in, the sum so far waits in this rank's own outbox share, which is free."""
+    folded in, the sum so far waits in ``share``, this rank's own share of its outbox, which
+    is free until the result goes there."""
     a, b, count = cut
     first, *rest = boxes.ranks
     acc = mine if first == rank else boxes.slot(first, index, mine.dtype, count)[a:b]
-    scratch = boxes.slot(rank, index, mine.dtype, count)[a:b]
     for j in rest:
         value = mine if j == rank else boxes.slot(j, index, mine.dtype, count)[a:b]
-        target = dst if j >= rank else scratch
+        target = dst if j >= rank else share
         ufunc(acc, value, out=target)
         acc = target
 

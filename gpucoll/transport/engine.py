@@ -367,17 +367,7 @@ class Engine:
         active = self.active = list(ops)
         idle_since = 0.0
         while active:
-            op = None
-            try:
-                moved = False
-                for op in active:
-                    if op.step():
-                        moved = True
-            except PeerFailure as exc:
-                raise self._in_op(self._root_cause(exc, op.deadline), op.opname) from None
-            except FrameMismatch as exc:
-                raise self._mismatch(exc, op.opname) from None
-            if moved:
+            if self._step(active):
                 for op in [op for op in active if op.off >= op.nbytes]:
                     active.remove(op)
                     op.finish()
@@ -473,19 +463,13 @@ class Engine:
     def _idle_small(self, idle_since: float, deadline: float, unsent: list, waiting: list,
                     nbytes: int, opname: str) -> float:
         """``_idle`` for ``swap_small``: the same failure, deadline and back-off rules."""
-        if self.state.failure is not None:
-            raise self._in_op(self.state.failure, opname)
-
         def small_detail() -> str:
             link, verb = (waiting[0], "receive from") if waiting else (unsent[0], "send to")
             if nbytes == FRAME_BYTES:  # a header alone: the outboxes' start (ring_algos)
                 return f"to {verb} rank {link.peer} (the start of the call)"
             return f"to {verb} rank {link.peer} (0 of {nbytes - FRAME_BYTES} bytes done)"
 
-        now = time.monotonic()
-        if now >= deadline:
-            raise CollectiveTimeout(f"{opname} on rank {self.rank} timed out: waiting "
-                                    f"{small_detail()}")
+        now = self._still_on(deadline, opname, small_detail)
 
         def sleep(deadline: float) -> None:
             for link in unsent:
@@ -514,16 +498,22 @@ class Engine:
 
         return self._back_off(idle_since, now, sleep, deadline, opname, small_detail)
 
-    def idle_shared(self, idle_since: float, deadline: float, opname: str, detail,
-                    can_move) -> float:
-        """Nothing moved in an exchange through the outboxes' counters: the failure, deadline
-        and back-off rules of ``_idle_small``; asleep, this rank's ASLEEP flag asks the peers
-        to ring its doorbell when they move (``can_move()`` re-checks after raising it)."""
+    def _still_on(self, deadline: float, opname: str, detail) -> float:
+        """The time now, unless a peer's failure was reported or the deadline has passed (then
+        the call's error, saying what it waited for: ``detail()``)."""
         if self.state.failure is not None:
             raise self._in_op(self.state.failure, opname)
         now = time.monotonic()
         if now >= deadline:
             raise CollectiveTimeout(f"{opname} on rank {self.rank} timed out: waiting {detail()}")
+        return now
+
+    def idle_shared(self, idle_since: float, deadline: float, opname: str, detail,
+                    can_move) -> float:
+        """Nothing moved in an exchange through the outboxes' counters: the failure, deadline
+        and back-off rules of ``_idle_small``; asleep, this rank's ASLEEP flag asks the peers
+        to ring its doorbell when they move (``can_move()`` re-checks after raising it)."""
+        now = self._still_on(deadline, opname, detail)
         boxes = self.outboxes
 
         def sleep(deadline: float) -> None:
@@ -566,24 +556,30 @@ class Engine:
                 continue
             idle_since = self._idle(idle_since, deadline)
 
-    def _step_active(self) -> bool:
-        """Move every posted message as far as its link allows; True when any moved."""
-        active = self.active
+    def _step(self, ops: list[Op]) -> bool:
+        """Move each of ``ops`` as far as its link allows (a broken link or a header of another
+        call raises, naming the call); True when any moved."""
         op = None
         try:
             moved = False
-            for op in active:
+            for op in ops:
                 if op.step():
                     moved = True
         except PeerFailure as exc:
             raise self._in_op(self._root_cause(exc, op.deadline), op.opname) from None
         except FrameMismatch as exc:
             raise self._mismatch(exc, op.opname) from None
-        if moved:
-            done = [op for op in active if op.off >= op.nbytes]
-            if done:
-                self._complete(done)
         return moved
+
+    def _step_active(self) -> bool:
+        """Move every posted message, completing those done; True when any moved."""
+        active = self.active
+        if not self._step(active):
+            return False
+        done = [op for op in active if op.off >= op.nbytes]
+        if done:
+            self._complete(done)
+        return True
 
     def poke(self) -> bool:
         """One pass over the posted non-blocking messages, for a wait that is not the engine's
