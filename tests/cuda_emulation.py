@@ -85,7 +85,7 @@ class Lease:
         self.pool, self.block = pool, block
 
     def __del__(self):
-        self.pool.free(self.block)
+        self.pool.free(self.block)  # may run inside the pool's own methods (garbage collection)
 
 
 class Pool:
@@ -96,24 +96,33 @@ class Pool:
         self._free: dict[tuple, list[Block]] = collections.defaultdict(list)
         self._live: dict[int, Block] = {}
         self._lock = threading.Lock()
+        # blocks freed but not yet filed: a lease can be dropped by the garbage collector while
+        # this thread holds the lock, so freeing only queues the block (deque.append is atomic)
+        self._freed: collections.deque[Block] = collections.deque()
 
     def lease(self, nbytes: int, device: int | None, kind: str) -> Lease:
         size = max(_CLASS, -(-nbytes // _CLASS) * _CLASS)
         with self._lock:
+            self._file_freed()
             free = self._free[(kind, device, size)]
             block = free.pop() if free else Block(size, device, kind)
             self._live[block.base] = block
         return Lease(self, block)
 
     def free(self, block: Block) -> None:
-        with self._lock:
+        self._freed.append(block)
+
+    def _file_freed(self) -> None:
+        while self._freed:
+            block = self._freed.popleft()
             self._live.pop(block.base, None)
             self._free[(block.kind, block.device, block.nbytes)].append(block)
 
     def find(self, ptr: int, nbytes: int) -> Block | None:
         """The live block holding ``[ptr, ptr + nbytes)``, if any."""
         with self._lock:
-            for b in self._live.values():
+            self._file_freed()
+            for b in list(self._live.values()):
                 if b.base <= ptr and ptr + nbytes <= b.base + b.nbytes:
                     return b
         return None

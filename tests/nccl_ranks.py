@@ -15,6 +15,7 @@ import numpy as np
 from nccl_emulation import EmulatedRuntime, FakeDeviceArray
 
 from gpucoll import cuda
+from gpucoll.batch import P2POp
 from gpucoll.default import create
 
 BF16 = np.dtype(ml_dtypes.bfloat16)
@@ -410,8 +411,9 @@ class DeviceComm:
         return out
 
 
-def collective_matrix(rank: int, n: int, addr: str) -> dict:
+def collective_matrix(rank: int, n: int, addr: str, host: bool = False) -> dict:
     """Every case of collective_cases through the NCCL backend; case id -> error or None.
+    ``host``: the NumPy arrays go to the communicator as they are (staged through the device).
 
     send/recv cases are left out: their pattern (an unmatched ungrouped send before the recv on
     every rank) blocks the stream on NCCL, as nccl.h warns; send_recv_ring covers the pairing.
@@ -420,7 +422,7 @@ def collective_matrix(rank: int, n: int, addr: str) -> dict:
 
     report = {}
     with emulated(addr, rank, n) as (rt, comm):
-        proxy = DeviceComm(comm, rt)
+        proxy = comm if host else DeviceComm(comm, rt)
         for case in cases(n):
             if case.coll == "send_recv":
                 continue
@@ -432,3 +434,101 @@ def collective_matrix(rank: int, n: int, addr: str) -> dict:
             except Exception as exc:  # noqa: BLE001 - reported per case
                 report[case.id] = f"{type(exc).__name__}: {exc}"
     return report
+
+
+# ---- host (NumPy) arrays on the NCCL backend -----------------------------------------------------
+
+def host_array_results(rank: int, n: int, addr: str) -> None:
+    """NumPy arrays in, NumPy arrays out, written before the call returns; read-only and
+    out-of-place inputs are left as they were."""
+    with emulated(addr, rank, n) as (rt, comm):
+        x = data(rank, (3, 5), np.int64)
+        assert comm.all_reduce(x, op="max") is x
+        np.testing.assert_array_equal(x, reduce_all("max", [data(r, (3, 5), np.int64)
+                                                           for r in range(n)]))
+        frozen = data(rank, (4,), BF16)
+        frozen.setflags(write=False)  # a write-back into it would raise
+        got = comm.all_gather(frozen)
+        assert type(got) is np.ndarray and got.dtype == BF16
+        np.testing.assert_array_equal(got, [data(r, (4,), BF16) for r in range(n)])
+        y, out = data(rank, (6,), np.float32), np.zeros(6, np.float32)
+        comm.all_reduce(y, out=out)
+        np.testing.assert_array_equal(y, data(rank, (6,), np.float32))
+        np.testing.assert_array_equal(out, reduce_all("sum", [data(r, (6,), np.float32)
+                                                              for r in range(n)]))
+        mixed = dev(rt, np.zeros((n, 2), np.int32))  # a host input, a device output
+        comm.all_gather(data(rank, (2,), np.int32), out=mixed)
+        np.testing.assert_array_equal(mixed.get(), [data(r, (2,), np.int32) for r in range(n)])
+        assert comm._backend._host_queue == []
+
+
+def host_array_async(rank: int, n: int, addr: str) -> list[str]:
+    """An irecv and an isend of NumPy arrays both posted before either is waited for complete
+    (neither blocks the host); asynchronous collectives return complete, fused and strided
+    arrays included; a batch's Works write their arrays when found complete. Returns the
+    backend's Work types seen."""
+    with emulated(addr, rank, n) as (rt, comm):
+        peer = 1 - rank
+        box = np.zeros(5, np.complex128)
+        mine = data(rank, (5,), np.complex128)
+        if rank == 0:  # NCCL pairs one communicator's sends and receives in the order posted
+            sending, receiving = comm.isend(mine, peer), comm.irecv(box, peer)
+        else:
+            receiving, sending = comm.irecv(box, peer), comm.isend(mine, peer)
+        sending.wait()
+        receiving.wait()
+        np.testing.assert_array_equal(box, data(peer, (5,), np.complex128))
+        first = data(rank, (3,), np.float64)
+        w1 = comm.all_reduce(first, async_op=True)
+        assert w1.is_completed()  # written on return: nothing left for wait() to do
+        np.testing.assert_array_equal(first, reduce_all(
+            "sum", [data(r, (3,), np.float64) for r in range(n)]))
+        assert w1.wait() is first
+        many = [data(rank, (3,), np.float32), data(rank, (2, 2), np.float32)]
+        comm.all_reduce_many(many, async_op=True).wait()  # fused, then unpacked on the host
+        np.testing.assert_array_equal(many[1], reduce_all(
+            "sum", [data(r, (2, 2), np.float32) for r in range(n)]))
+        grid = np.stack([data(rank, (4,), np.float64)] * 2, axis=1)
+        column = grid[:, 0]  # strided: reduced through a contiguous stand-in
+        assert comm.all_reduce(column, async_op=True).wait() is column
+        np.testing.assert_array_equal(grid[:, 0], reduce_all(
+            "sum", [data(r, (4,), np.float64) for r in range(n)]))
+        np.testing.assert_array_equal(grid[:, 1], data(rank, (4,), np.float64))
+        got = np.zeros(4, np.uint8)
+        works = comm.batch_isend_irecv([P2POp("isend", data(rank, (4,), np.uint8), peer),
+                                        P2POp("irecv", got, peer)])
+        deadline = time.monotonic() + 20
+        while not works[1].is_completed():  # finding it complete writes the array
+            assert time.monotonic() < deadline, "the receive never completed"
+            time.sleep(0.001)
+        np.testing.assert_array_equal(got, data(peer, (4,), np.uint8))
+        for w in works:
+            w.wait()
+        return [type(w).__name__ for w in (receiving._posted, w1, *(w._posted for w in works))]
+
+
+def host_array_peer_never_calls(rank: int, n: int, addr: str) -> str:
+    """Rank 1 skips an all_reduce of NumPy arrays: rank 0 times out at the deadline, and its
+    array keeps the values it had."""
+    from gpucoll.errors import CollectiveTimeout
+    from gpucoll.store import TCPStore, parse_address
+
+    with emulated(addr, rank, n) as (rt, comm):
+        store = TCPStore(*parse_address(addr), timeout=30)
+        try:
+            comm.barrier()
+            if rank == 1:
+                store.get("test/rank0-done", timeout=30)
+                return ""
+            x = np.arange(4, dtype=np.float32)
+            started = time.monotonic()
+            try:
+                comm.all_reduce(x, timeout=1.0)
+            except CollectiveTimeout as exc:
+                np.testing.assert_array_equal(x, np.arange(4, dtype=np.float32))
+                return f"{time.monotonic() - started:.1f} s: {exc}"
+            raise AssertionError("an all_reduce without its peer completed")
+        finally:
+            if rank == 0:
+                store.set("test/rank0-done", "1")
+            store.close()

@@ -1,6 +1,7 @@
 """The same collectives on real CUDA devices (marked ``gpu``: skipped where CUDA is absent).
 
-One GPU: a world of one on NCCL, and the staged ring across two processes sharing the device.
+One GPU: a world of one on NCCL (device and NumPy arrays), and the staged ring across two
+processes sharing the device.
 Several GPUs: NCCL across one process per device. And the self-check, which must pass.
 """
 
@@ -57,6 +58,36 @@ def _suite(rank: int, n: int, addr: str, backend: str) -> list:
 
 def test_nccl_world_of_one(store_addr):
     assert spawn(_suite, 1, store_addr, "nccl", timeout=150) == [[0] * 5]
+
+
+def _numpy_on_nccl(rank: int, n: int, addr: str) -> list:
+    """NumPy arrays on the NCCL backend (staged through device memory), synchronous and not,
+    beside a CuPy array on the same communicator."""
+    import cupy
+
+    from gpucoll.default import create
+
+    comm = create("nccl", rank=rank, world_size=n, store=addr, timeout=60)
+    try:
+        x = np.arange(1 << 20, dtype=np.float64) + rank
+        assert comm.all_reduce(x) is x
+        np.testing.assert_array_equal(x, np.arange(1 << 20) * n + sum(range(n)))
+        frozen = np.full(3, rank, np.int16)
+        frozen.setflags(write=False)
+        g = comm.all_gather(frozen)  # int16: no NCCL type, so bytes on the wire
+        assert type(g) is np.ndarray
+        np.testing.assert_array_equal(g, np.repeat(np.arange(n, dtype=np.int16), 3).reshape(n, 3))
+        y = np.full(5, rank + 1, np.int32)
+        work = comm.all_reduce(y, op="bxor", async_op=True)
+        d = comm.all_reduce(cupy.ones(7, cupy.float32))
+        assert work.wait() is y and float(d.sum().get()) == 7 * n
+        return [int(v) for v in y]
+    finally:
+        comm.close()
+
+
+def test_numpy_arrays_through_nccl_on_a_world_of_one(store_addr):
+    assert spawn(_numpy_on_nccl, 1, store_addr, timeout=150) == [[1] * 5]
 
 
 def _other_libraries(rank: int, n: int, addr: str, library: str) -> str:

@@ -4,6 +4,7 @@ emulation itself behaving as NCCL does: refusing what NCCL refuses, blocking whe
 from __future__ import annotations
 
 import threading
+import time
 
 import numpy as np
 import pytest
@@ -65,10 +66,27 @@ def test_an_asynchronous_nccl_error_names_the_op_and_rank(rt, backend):
     release()
 
 
-def test_host_arrays_are_refused_before_anything_is_enqueued(rt, backend):
-    with pytest.raises(TypeError, match="needs device arrays"):
-        backend.all_reduce(as_ref(np.ones(3), "x"), ReduceOp.SUM, timeout=5)
-    assert backend._nc.comm.calls == []
+def test_a_host_array_goes_to_nccl_in_device_memory_and_the_call_waits_for_it(rt, backend):
+    x = as_ref(np.arange(3, dtype=np.int32), "x")
+    release = rt.stall(rt.current_stream())  # a busy device: the result is not there yet
+    threading.Timer(0.3, release).start()
+    started = time.monotonic()
+    backend.all_reduce(x, ReduceOp.MAX, timeout=10)
+    assert time.monotonic() - started >= 0.3  # returned once the copy back was done
+    assert [name for name, _ in backend._nc.comm.calls] == ["allreduce"]
+    assert backend._host_queue == []
+    np.testing.assert_array_equal(x.array, np.arange(3))
+
+
+def test_a_host_array_call_that_misses_its_deadline_raises_and_leaves_the_array_alone(
+        rt, backend):
+    x = as_ref(np.arange(4, dtype=np.float32), "x")
+    release = rt.stall(rt.current_stream())
+    with pytest.raises(CollectiveTimeout, match="all_reduce on rank 0 of 1 did not complete "
+                                                "within 0.3 s"):
+        backend.all_reduce(x, ReduceOp.SUM, timeout=0.3)
+    release()
+    np.testing.assert_array_equal(x.array, np.arange(4, dtype=np.float32))
 
 
 def test_a_buffer_on_another_device_is_refused(rt, backend):

@@ -91,3 +91,31 @@ def test_the_shared_correctness_matrix_passes_through_the_nccl_backend(store_add
                 for case, error in report.items() if error is not None]
     assert len(reports[0]) > 800
     assert failures == []
+
+
+# ---- host (NumPy) arrays on the NCCL backend: staged through device memory ----------------------
+
+def test_numpy_arrays_come_back_written_and_inputs_it_only_reads_are_left_alone(store_addr):
+    spawn(nccl_ranks.host_array_results, 3, store_addr, timeout=60)
+
+
+def test_sends_and_receives_of_numpy_arrays_never_block_and_async_collectives_finish(
+        store_addr):
+    kinds = spawn(nccl_ranks.host_array_async, 2, store_addr, timeout=60)
+    assert kinds == [["HostWork", "EventWork", "HostWork", "HostWork"]] * 2
+
+
+def test_a_numpy_all_reduce_whose_peer_never_comes_times_out_and_keeps_its_values(store_addr):
+    message = spawn(nccl_ranks.host_array_peer_never_calls, 2, store_addr, timeout=60)[0]
+    assert float(message.split(" s:")[0]) < 10, message
+    assert "all_reduce on rank 0 of 2 did not complete within 1 s" in message
+
+
+@pytest.mark.slow
+def test_the_shared_correctness_matrix_passes_on_numpy_arrays_through_the_nccl_backend(
+        store_addr):
+    reports = spawn(nccl_ranks.collective_matrix, 2, store_addr, True, timeout=110)
+    failures = [f"rank {r}: {case}: {error}" for r, report in enumerate(reports)
+                for case, error in report.items() if error is not None]
+    assert len(reports[0]) > 800
+    assert failures == []

@@ -6,6 +6,8 @@ Modules:
   and batched calls included), and its start-up through the store: device choice, arrival, the
   unique id; the watchdog thread and the event-backed ``Work``; and whether ``backend="auto"``
   picks NCCL, and why (``agree``);
+- ``hostarrays``: host (NumPy) arrays on the backend, staged through device memory, and the
+  Work that writes them back;
 - ``driver``: one non-blocking NCCL communicator, polled so that no call blocks past its
   deadline, aborted once on a failure; NCCL's datatype and op codes for gpucoll's dtypes and ops.
 

@@ -76,6 +76,7 @@ from gpucoll.backends.nccl.driver import (
     translate,
     wire,
 )
+from gpucoll.backends.nccl.hostarrays import HostCopies, host_arrays
 from gpucoll.errors import (
     BackendUnavailable,
     CollectiveTimeout,
@@ -210,6 +211,9 @@ class NcclBackend(Backend):
         self._closed = False
         self._last: Pending | None = None
         self._scratch: Any = None
+        # host arrays' write-backs still to do, in issue order (``hostarrays``)
+        self._host_queue: list[HostCopies] = []
+        self._host_lock = threading.Lock()
         positions = Positions(store, rank, size, self.progress)
         _driver.diagnose = positions.diagnose
         self._watchdog = Watchdog(rank, size, self._check_async, self._fail, _driver.liveness,
@@ -282,6 +286,7 @@ class NcclBackend(Backend):
 
     # ---- collectives ------------------------------------------------------------------------
 
+    @host_arrays("x")
     def all_reduce(self, x: Any, op: ReduceOp, *, timeout: float, stream: Any = None) -> None:
         plan = reduce_plan(op, x.dtype, "all_reduce")
         deadline = time.monotonic() + timeout
@@ -301,6 +306,7 @@ class NcclBackend(Backend):
                 self._rt.reduce_slots(op.value, keep.ptr, x.ptr, self.size, x.count, x.dtype, s)
             self._end("all_reduce", s, deadline, timeout, (x, keep))
 
+    @host_arrays("x")
     def broadcast(self, x: Any, root: int, *, timeout: float, stream: Any = None) -> None:
         deadline = time.monotonic() + timeout
         with self._rt.using_device(self.device):
@@ -312,6 +318,7 @@ class NcclBackend(Backend):
                           deadline=deadline, timeout=timeout)
             self._end("broadcast", s, deadline, timeout, x)
 
+    @host_arrays("x")
     def reduce(self, x: Any, root: int, op: ReduceOp, *, timeout: float,
                stream: Any = None) -> None:
         plan = reduce_plan(op, x.dtype, "reduce")
@@ -333,6 +340,7 @@ class NcclBackend(Backend):
                                           x.dtype, s)
             self._end("reduce", s, deadline, timeout, (x, keep))
 
+    @host_arrays("out")
     def all_gather(self, x: Any, out: Any, *, timeout: float, stream: Any = None) -> None:
         deadline = time.monotonic() + timeout
         with self._rt.using_device(self.device):
@@ -345,6 +353,7 @@ class NcclBackend(Backend):
                           deadline=deadline, timeout=timeout)
             self._end("all_gather", s, deadline, timeout, (x, out))
 
+    @host_arrays("out")
     def reduce_scatter(self, x: Any, out: Any, op: ReduceOp, *, timeout: float,
                        stream: Any = None) -> None:
         plan = reduce_plan(op, x.dtype, "reduce_scatter")
@@ -366,6 +375,7 @@ class NcclBackend(Backend):
                                       out.dtype, s)
             self._end("reduce_scatter", s, deadline, timeout, (x, out, keep))
 
+    @host_arrays("out")
     def gather(self, x: Any, out: Any | None, root: int, *, timeout: float,
                stream: Any = None) -> None:
         deadline = time.monotonic() + timeout
@@ -376,6 +386,7 @@ class NcclBackend(Backend):
                                 deadline, timeout)
             self._end("gather", s, deadline, timeout, (x, out))
 
+    @host_arrays("out")
     def scatter(self, x: Any | None, out: Any, root: int, *, timeout: float,
                 stream: Any = None) -> None:
         deadline = time.monotonic() + timeout
@@ -395,6 +406,7 @@ class NcclBackend(Backend):
                               stream=s, deadline=deadline, timeout=timeout)
             self._end("scatter", s, deadline, timeout, (x, out))
 
+    @host_arrays("out")
     def all_to_all(self, x: Any, out: Any, *, timeout: float, stream: Any = None) -> None:
         deadline = time.monotonic() + timeout
         with self._rt.using_device(self.device):
@@ -405,9 +417,11 @@ class NcclBackend(Backend):
                                timeout)
             self._end("all_to_all", s, deadline, timeout, (x, out))
 
+    @host_arrays()
     def send(self, x: Any, dst: int, *, timeout: float, stream: Any = None) -> None:
         self._p2p("send", self._nc.calls.send, x, dst, timeout, stream)
 
+    @host_arrays("x")
     def recv(self, x: Any, src: int, *, timeout: float, stream: Any = None) -> None:
         self._p2p("recv", self._nc.calls.recv, x, src, timeout, stream)
 
@@ -473,6 +487,7 @@ class NcclBackend(Backend):
 
     # ---- out of place: NCCL reads x and writes out ------------------------------------------
 
+    @host_arrays("out")
     def all_reduce_out(self, x: Any, out: Any, op: ReduceOp, *, timeout: float,
                        stream: Any = None) -> None:
         plan = reduce_plan(op, x.dtype, "all_reduce")
@@ -493,6 +508,7 @@ class NcclBackend(Backend):
                                       s)
             self._end("all_reduce", s, deadline, timeout, (x, out, keep))
 
+    @host_arrays("out")
     def reduce_out(self, x: Any, out: Any | None, root: int, op: ReduceOp, *, timeout: float,
                    stream: Any = None) -> None:
         plan = reduce_plan(op, x.dtype, "reduce")
@@ -515,6 +531,7 @@ class NcclBackend(Backend):
                                           x.dtype, s)
             self._end("reduce", s, deadline, timeout, (x, out, keep))
 
+    @host_arrays("out")
     def broadcast_out(self, x: Any | None, out: Any, root: int, *, timeout: float,
                       stream: Any = None) -> None:
         deadline = time.monotonic() + timeout
@@ -539,6 +556,7 @@ class NcclBackend(Backend):
         buf = Buf(ref.ptr if ptr is None else ptr, count * w.factor, w.code)
         return fn, (buf, peer), {"stream": s}
 
+    @host_arrays("recvs")
     def exchange(self, sends: Sequence[tuple[int, Any]], recvs: Sequence[tuple[int, Any]],
                  layout: int, *, timeout: float, stream: Any = None) -> None:
         """One NCCL group of sends and receives; what a rank sends itself is a device copy."""
@@ -555,6 +573,7 @@ class NcclBackend(Backend):
             self._group_of("exchange", calls, deadline, timeout)
             self._end("exchange", s, deadline, timeout, refs)
 
+    @host_arrays("out")
     def all_gather_v(self, x: Any, out: Any, counts: Sequence[int], layout: int, *,
                      timeout: float, stream: Any = None) -> None:
         deadline = time.monotonic() + timeout
@@ -616,6 +635,7 @@ class NcclBackend(Backend):
             start += k
         return calls
 
+    @host_arrays("out")
     def reduce_scatter_v(self, x: Any, out: Any, counts: Sequence[int], op: ReduceOp,
                          layout: int, *, timeout: float, stream: Any = None) -> None:
         plan = reduce_plan(op, x.dtype, "reduce_scatter_v")
@@ -654,6 +674,7 @@ class NcclBackend(Backend):
 
     # ---- many arrays, and point to point in one go ------------------------------------------
 
+    @host_arrays("xs")
     def all_reduce_coalesced(self, xs: Sequence[Any], op: ReduceOp, *, timeout: float,
                              stream: Any = None) -> None:
         """The arrays NCCL reduces natively as one group (one launch); the others one by one."""
@@ -674,6 +695,7 @@ class NcclBackend(Backend):
         for x in rest:
             self.all_reduce(x, op, timeout=timeout, stream=stream)
 
+    @host_arrays("ops")
     def batch_p2p(self, ops: Sequence[tuple[bool, Any, int]], *, timeout: float,
                   stream: Any = None) -> list:
         """Every send and receive as one NCCL group; they share its completion event."""
@@ -698,6 +720,9 @@ class NcclBackend(Backend):
             raise GpucollError(f"rank {self.rank}: the call enqueued nothing on the nccl "
                                "backend")
         return EventWork(self, self._last)
+
+    def _event_work(self, pending: Pending) -> EventWork:
+        return EventWork(self, pending)
 
     def run_sync(self, call: Callable[[], None]) -> None:
         call()  # NCCL calls on one communicator are already ordered by their streams
