@@ -262,10 +262,14 @@ def test_init_without_arguments_joins_the_group_the_environment_names(store_addr
                                                                     [2, 3, 6]]
 
 
-def test_init_with_an_unusable_backend_raises_and_leaves_nothing_open(monkeypatch):
+def test_init_with_an_unusable_backend_raises_and_leaves_nothing_open(rt, monkeypatch):
     import gpucoll.default as default
     from gpucoll.store import TCPStore
 
+    def no_nccl4py():  # unusable here whether or not this machine has a GPU
+        raise ModuleNotFoundError("No module named 'nccl'")
+
+    monkeypatch.setattr(rt, "nccl", no_nccl4py)
     made = []
 
     class Recorded(TCPStore):

@@ -14,6 +14,7 @@ import pytest
 from multiproc import spawn
 
 import gpucoll
+from gpucoll.backends import topology_order
 from gpucoll.errors import CollectiveMismatch, CollectiveTimeout, PeerFailure
 
 DEBUG = {"GPUCOLL_DEBUG": "1"}
@@ -122,6 +123,9 @@ def _sockets() -> int:
 
 
 def _lose_a_rank(rank: int, n: int, addr: str) -> list:
+    # what the ring's set-up may load for the first time (CUDA, for the topology) keeps its own
+    # sockets for the life of the process on a GPU machine: load it before counting
+    topology_order(n)
     sockets = _sockets()
     comm = gpucoll.init("ring", rank=rank, world_size=n, store=addr, timeout=30)
     x = np.ones(1 << 20, dtype=np.float32)
