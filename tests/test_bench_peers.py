@@ -53,3 +53,38 @@ def test_mpi_needs_mpirun(monkeypatch):
     monkeypatch.setattr(libraries.shutil, "which", lambda name: None)
     reason = libraries.peer_available("mpi")
     assert reason in ("mpirun is not on PATH", "mpi4py is not installed")
+
+
+def test_versions_name_a_module_run_from_a_source_tree_by_its_own_version(monkeypatch):
+    from importlib import metadata
+
+    import gpucoll
+
+    def not_installed(name):
+        raise metadata.PackageNotFoundError(name)
+
+    monkeypatch.setattr(metadata, "version", not_installed)
+    got = libraries.versions("gpucoll", "no_such_module_here")
+    assert got["gpucoll"] == gpucoll.__version__ and "no_such_module_here" not in got
+
+
+def test_gloo_runs_torch_nccl_on_device_memory_only_where_every_local_rank_has_a_gpu(
+        monkeypatch):
+    import sys
+    import types
+
+    from gpucoll.bench import cli
+
+    torch = types.SimpleNamespace(cuda=types.SimpleNamespace(is_available=lambda: True,
+                                                             device_count=lambda: 1))
+    monkeypatch.setitem(sys.modules, "torch", torch)
+    monkeypatch.setattr(cli, "device_available", lambda: True)
+    monkeypatch.delenv("LOCAL_WORLD_SIZE", raising=False)
+    auto = parse_args(["all_reduce"])
+    monkeypatch.setenv("WORLD_SIZE", "2")  # two ranks would share the one GPU
+    assert not cli.wants_device(auto)
+    monkeypatch.setenv("LOCAL_WORLD_SIZE", "1")  # one rank on each of two hosts
+    assert cli.wants_device(auto)
+    monkeypatch.setenv("LOCAL_WORLD_SIZE", "2")
+    assert cli.wants_device(parse_args(["all_reduce", "--memory", "device"]))
+    assert not cli.wants_device(parse_args(["all_reduce", "--memory", "host"]))

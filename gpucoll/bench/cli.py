@@ -201,12 +201,16 @@ def open_library(name: str, opts: BenchOptions) -> tuple[Any, Any]:
 
 
 def wants_device(opts: BenchOptions) -> bool:
+    """Whether the gloo peer's job runs torch's NCCL on device memory: ``--memory``, else
+    (auto) when every rank of this host has a GPU of its own, which torch's NCCL needs."""
     if opts.memory != "auto":
         return opts.memory == "device"
     try:
         import torch
 
-        return bool(torch.cuda.is_available()) and device_available()
+        local = int(os.environ.get("LOCAL_WORLD_SIZE") or os.environ.get("WORLD_SIZE") or 1)
+        return (bool(torch.cuda.is_available()) and device_available()
+                and torch.cuda.device_count() >= local)
     except ImportError:
         return False
 

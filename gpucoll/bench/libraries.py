@@ -31,7 +31,8 @@ from gpucoll.selftest import devices
 
 
 def versions(*modules: str) -> dict[str, str]:
-    """Installed versions of ``modules`` (absent ones left out), plus Python's."""
+    """Installed versions of ``modules`` (absent ones left out), plus Python's; a module run
+    from a source tree rather than installed gives its ``__version__``."""
     from importlib import metadata
 
     out = {"python": platform.python_version()}
@@ -39,7 +40,10 @@ def versions(*modules: str) -> dict[str, str]:
         try:
             out[name] = metadata.version(name)
         except metadata.PackageNotFoundError:
-            pass
+            spec = importlib.util.find_spec(name)
+            version = spec and getattr(importlib.import_module(name), "__version__", None)
+            if version:
+                out[name] = str(version)
     return out
 
 
