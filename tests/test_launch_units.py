@@ -357,8 +357,8 @@ def test_the_start_line_names_the_backend_and_why(monkeypatch):
         "gpucoll run: 2 ranks (no -n given), backend ring (no GPU found)"
     assert backend_line(1, True, []) == "gpucoll run: 1 rank, backend ring (no GPU found)"
     assert backend_line(4, False, ["0", "1", "2", "3"]) == (
-        "gpucoll run: 4 ranks (one per GPU), backend nccl on CuPy arrays where CuPy and NCCL "
-        "load, else ring (4 GPUs found)")
+        "gpucoll run: 4 ranks (one per GPU), backend nccl where every rank can use it, else "
+        "ring (4 GPUs found)")
     monkeypatch.setenv("CUDA_VISIBLE_DEVICES", "")
     assert backend_line(2, True, []).endswith("backend ring (CUDA_VISIBLE_DEVICES hides every GPU)")
     monkeypatch.setenv("GPUCOLL_BACKEND", "ring")

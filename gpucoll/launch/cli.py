@@ -118,7 +118,7 @@ def backend_line(nproc: int, given: bool, gpus: list[str]) -> str:
                else "no GPU found")
         backend = f"backend ring ({why})"
     else:
-        backend = (f"backend nccl on CuPy arrays where CuPy and NCCL load, else ring "
+        backend = (f"backend nccl where every rank can use it, else ring "
                    f"({len(gpus)} GPU{'s' if len(gpus) > 1 else ''} found)")
     return f"gpucoll run: {nproc} rank{'s' if nproc > 1 else ''}{why_n}, {backend}"
 
