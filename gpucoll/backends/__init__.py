@@ -46,7 +46,7 @@ Many arrays, and point to point in one go:
 Modules: ``ring`` (``RingBackend``, the host ring: NumPy arrays over shared memory and TCP),
 ``ring_algos`` (its algorithms, one function per collective, and its grouped and uneven
 rounds), ``staged`` (device arrays staged through host memory over the ring), and the package
-``nccl`` (the NCCL backend).
+``nccl`` (the NCCL backend: device arrays, and NumPy arrays staged through device memory).
 """
 
 from __future__ import annotations
