@@ -4,7 +4,8 @@ into an issue. For whoever first runs gpucoll on GPUs (also in the Docker image:
 
 On real devices it runs, each check in processes of its own:
 - all_reduce of every dtype x op x size (0, 1, 1031 and 1 Mi elements), and every other
-  collective, on a world of one, against NumPy;
+  collective, on a world of one, against NumPy; then the same on NumPy arrays, which the NCCL
+  backend stages through device memory;
 - the same on two ranks sharing GPU 0, where NCCL allows it (NCCL >= 2.30, with
   NCCL_MULTI_RANK_GPU_ENABLE=1, which this sets), and on one rank per GPU when there are several;
 - the failure cases on those ranks: a rank that never starts, one that skips a collective, one
@@ -105,6 +106,7 @@ def run(*, quick: bool = False, nccl_tests: str | None = None, timeout: float = 
                                         fn, args, timeout, setup, why_not))
 
     check("dtype x op x size", one, matrix, quick)
+    check("dtype x op x size, NumPy arrays", one, host_matrix, quick)
     check("dtype x op x size", shared, matrix, True,
           why_not=f"NCCL {version} refuses several ranks on one GPU (needs 2.30)")
     check("dtype x op x size", spread, matrix, True, why_not="one GPU only")
@@ -367,6 +369,22 @@ def matrix(rank: int, n: int, addr: str, arrays: Any, device: int | None, quick:
     if wrong:
         raise AssertionError(f"{len(wrong)} wrong: {', '.join(wrong[:8])}")
     return f"{done} all_reduce cases and 7 other collectives right ({refused} refused by NCCL)"
+
+
+class NumpyArrays:
+    """Host arrays: what ``matrix`` checks when it is given NumPy arrays instead of device ones."""
+
+    def put(self, host: np.ndarray) -> np.ndarray:
+        return host.copy()
+
+    def get(self, x: np.ndarray, stream: int | None = None) -> np.ndarray:
+        return x
+
+
+def host_matrix(rank: int, n: int, addr: str, arrays: Any, device: int | None,
+                quick: bool) -> str:
+    """``matrix`` on NumPy arrays through the NCCL backend."""
+    return matrix(rank, n, addr, NumpyArrays(), device, quick)
 
 
 def _others(comm: Any, arrays: Any, rank: int, n: int) -> list[str]:

@@ -20,6 +20,7 @@ pytestmark = pytest.mark.timeout(300)
 
 CHECKS = [
     "dtype x op x size (world of one)",
+    "dtype x op x size, NumPy arrays (world of one)",
     # skipped, and named without the setting, where the installed NCCL is older than 2.30
     "dtype x op x size (2 ranks on GPU 0)" if two_ranks_per_gpu() else "dtype x op x size",
     "dtype x op x size (2 ranks, one per GPU)",
