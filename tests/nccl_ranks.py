@@ -532,3 +532,24 @@ def host_array_peer_never_calls(rank: int, n: int, addr: str) -> str:
             if rank == 0:
                 store.set("test/rank0-done", "1")
             store.close()
+
+
+def host_array_peer_dies(rank: int, n: int, addr: str) -> str:
+    """Rank 1 dies instead of joining an all_reduce of NumPy arrays: rank 0's call raises a
+    PeerFailure naming it, long before its 30 s deadline, and its array is as it was."""
+    import os
+
+    from gpucoll.errors import PeerFailure
+
+    with emulated(addr, rank, n) as (rt, comm):
+        comm.barrier()
+        if rank == 1:
+            os._exit(0)
+        x = np.arange(4, dtype=np.float32)
+        started = time.monotonic()
+        try:
+            comm.all_reduce(x, timeout=30)
+        except PeerFailure as exc:
+            np.testing.assert_array_equal(x, np.arange(4, dtype=np.float32))
+            return f"{time.monotonic() - started:.1f} s: {exc}"
+        raise AssertionError("an all_reduce without rank 1 completed")

@@ -111,6 +111,13 @@ def test_a_numpy_all_reduce_whose_peer_never_comes_times_out_and_keeps_its_value
     assert "all_reduce on rank 0 of 2 did not complete within 1 s" in message
 
 
+def test_a_numpy_all_reduce_whose_peer_dies_names_it_at_once_and_keeps_its_values(store_addr):
+    outcome = spawn(nccl_ranks.host_array_peer_dies, 2, store_addr, timeout=60, check=False)[0]
+    assert outcome.ok, outcome.trace
+    seconds, message = outcome.value.split(" s: ", 1)
+    assert float(seconds) < 10 and message.startswith("rank 1 died during all_reduce"), message
+
+
 @pytest.mark.slow
 def test_the_shared_correctness_matrix_passes_on_numpy_arrays_through_the_nccl_backend(
         store_addr):
