@@ -69,8 +69,8 @@ def test_an_asynchronous_nccl_error_names_the_op_and_rank(rt, backend):
 def test_a_host_array_goes_to_nccl_in_device_memory_and_the_call_waits_for_it(rt, backend):
     x = as_ref(np.arange(3, dtype=np.int32), "x")
     release = rt.stall(rt.current_stream())  # a busy device: the result is not there yet
-    threading.Timer(0.3, release).start()
     started = time.monotonic()
+    threading.Timer(0.3, release).start()
     backend.all_reduce(x, ReduceOp.MAX, timeout=10)
     assert time.monotonic() - started >= 0.3  # returned once the copy back was done
     assert [name for name, _ in backend._nc.comm.calls] == ["allreduce"]
