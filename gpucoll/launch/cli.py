@@ -21,7 +21,7 @@ import threading
 
 from gpucoll.errors import LaunchError, StoreError
 from gpucoll.launch.config import LaunchConfig, bindings, validate, visible_gpus
-from gpucoll.launch.supervisor import Job, RemoteAbort, console
+from gpucoll.launch.supervisor import Job, RemoteAbort, console, signals_to
 from gpucoll.rendezvous import LAUNCHER_ABORT, launcher_abort, read_launcher_abort, store_url
 
 NO_GPU_MIN_RANKS, NO_GPU_MAX_RANKS = 2, 4  # -n's default without GPUs: the cores, within these
@@ -182,8 +182,9 @@ def run_job(cfg: LaunchConfig, job: Job) -> int:
                               f"{store_url(host, port)}\n".encode())
         job.on_failure = store.abort
         store.watch(job.events)
-        job.launch((host, port), token, torch_port(cfg, port))
-        status = job.supervise()
+        with signals_to(job.events):  # forwarded from the first rank's start on
+            job.launch((host, port), token, torch_port(cfg, port))
+            status = job.supervise()
         return store.finish(status)
     finally:
         store.close()

@@ -491,11 +491,12 @@ class Job:
     # ---- supervise ---------------------------------------------------------------------
 
     def supervise(self) -> int:
-        """Run until every rank has exited; return the launcher's exit status."""
-        with signals_to(self.events):
-            while len(self.exits) < len(self.ranks):
-                self._handle(self._next_event())
-                self._act_on_deadlines()
+        """Run until every rank has exited; return the launcher's exit status. The caller
+        holds ``signals_to(self.events)`` from before the first rank starts, so that a signal
+        that comes while ranks start is forwarded too (not the launcher's death)."""
+        while len(self.exits) < len(self.ranks):
+            self._handle(self._next_event())
+            self._act_on_deadlines()
         return self._finish()
 
     def _next_event(self):
