@@ -8,6 +8,7 @@ against NumPy, and finally asserts that the emulated NCCL saw no misuse.
 from __future__ import annotations
 
 import contextlib
+import os
 import time
 
 import ml_dtypes
@@ -507,10 +508,11 @@ def host_array_async(rank: int, n: int, addr: str) -> list[str]:
         return [type(w).__name__ for w in (receiving._posted, w1, *(w._posted for w in works))]
 
 
-def host_array_peer_never_calls(rank: int, n: int, addr: str) -> str:
-    """Rank 1 skips an all_reduce of NumPy arrays: rank 0 times out at the deadline, and its
-    array keeps the values it had."""
-    from gpucoll.errors import CollectiveTimeout
+def host_array_without_its_peer(rank: int, n: int, addr: str, dies: bool) -> str:
+    """Rank 1 skips an all_reduce of NumPy arrays (or dies instead): rank 0 times out at its
+    1 s deadline (or learns of the death at once), and its array keeps the values it had.
+    Returns, on rank 0, the seconds it took and the error's text."""
+    from gpucoll.errors import CollectiveTimeout, PeerFailure
     from gpucoll.store import TCPStore, parse_address
 
     with emulated(addr, rank, n) as (rt, comm):
@@ -518,13 +520,16 @@ def host_array_peer_never_calls(rank: int, n: int, addr: str) -> str:
         try:
             comm.barrier()
             if rank == 1:
+                if dies:
+                    os._exit(0)
                 store.get("test/rank0-done", timeout=30)
                 return ""
             x = np.arange(4, dtype=np.float32)
+            expected = PeerFailure if dies else CollectiveTimeout
             started = time.monotonic()
             try:
-                comm.all_reduce(x, timeout=1.0)
-            except CollectiveTimeout as exc:
+                comm.all_reduce(x, timeout=30 if dies else 1.0)
+            except expected as exc:
                 np.testing.assert_array_equal(x, np.arange(4, dtype=np.float32))
                 return f"{time.monotonic() - started:.1f} s: {exc}"
             raise AssertionError("an all_reduce without its peer completed")
@@ -532,24 +537,3 @@ def host_array_peer_never_calls(rank: int, n: int, addr: str) -> str:
             if rank == 0:
                 store.set("test/rank0-done", "1")
             store.close()
-
-
-def host_array_peer_dies(rank: int, n: int, addr: str) -> str:
-    """Rank 1 dies instead of joining an all_reduce of NumPy arrays: rank 0's call raises a
-    PeerFailure naming it, long before its 30 s deadline, and its array is as it was."""
-    import os
-
-    from gpucoll.errors import PeerFailure
-
-    with emulated(addr, rank, n) as (rt, comm):
-        comm.barrier()
-        if rank == 1:
-            os._exit(0)
-        x = np.arange(4, dtype=np.float32)
-        started = time.monotonic()
-        try:
-            comm.all_reduce(x, timeout=30)
-        except PeerFailure as exc:
-            np.testing.assert_array_equal(x, np.arange(4, dtype=np.float32))
-            return f"{time.monotonic() - started:.1f} s: {exc}"
-        raise AssertionError("an all_reduce without rank 1 completed")

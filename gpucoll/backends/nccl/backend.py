@@ -251,11 +251,6 @@ class NcclBackend(Backend):
         for ref in refs:
             if ref is None:
                 continue
-            if ref.kind != "device":
-                raise TypeError(
-                    f"{opname}: the nccl backend needs device arrays, got a host array "
-                    f"({type(ref.array).__name__}) on rank {self.rank}"
-                )
             if ref.device is not None and ref.device != self.device:
                 raise ValueError(
                     f"{opname}: a buffer is on device {ref.device}, but rank {self.rank}'s "

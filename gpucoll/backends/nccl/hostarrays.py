@@ -96,7 +96,7 @@ def host_arrays(*written: str) -> Callable[[Callable], Callable]:
 
         @functools.wraps(method)
         def call(self: Any, *args: Any, **kwargs: Any) -> Any:
-            if not (any(map(_on_host, args)) or any(map(_on_host, kwargs.values()))):
+            if not (_any_host(args) or kwargs and _any_host(kwargs.values())):
                 return method(self, *args, **kwargs)
             return _staged(self, method, signature.bind(self, *args, **kwargs), written)
 
@@ -105,11 +105,16 @@ def host_arrays(*written: str) -> Callable[[Callable], Callable]:
     return decorate
 
 
-def _on_host(value: Any) -> bool:
-    if isinstance(value, ArrayRef):
-        return value.kind != "device"
-    if isinstance(value, (list, tuple)):
-        return any(map(_on_host, value))
+def _any_host(values: Any) -> bool:
+    """Whether a host buffer is among ``values``, or in a list or tuple of them (a plain loop:
+    this runs on every call, also on device arrays)."""
+    for value in values:
+        kind = value.__class__
+        if kind is ArrayRef:
+            if value.kind != "device":
+                return True
+        elif (kind is list or kind is tuple) and _any_host(value):
+            return True
     return False
 
 
