@@ -381,7 +381,7 @@ def join_group(store: Any, rank: int, size: int, *, job: str | None, timeout: fl
     try:
         theirs = space.compare_set("size", "", str(size))
         if int(theirs) != size:
-            raise _wrong_size(space, rank, size, int(theirs))
+            raise _refuse_size(space, rank, size, int(theirs))
         nonce = uuid.uuid4().hex
         if space.compare_set(f"member/{rank}", "", nonce) != nonce.encode():
             raise _rank_taken(space, rank, size)
@@ -389,7 +389,8 @@ def join_group(store: Any, rank: int, size: int, *, job: str | None, timeout: fl
         wait_for_ranks(space, [f"member/{r}" for r in range(size)],
                        max(deadline - time.monotonic(), 0.0), rank=rank, liveness=live,
                        what=what, absent="never arrived (not started, or not yet at gpucoll.init)",
-                       stopped=lambda: launcher_stopped(store, what, rank, size))
+                       stopped=lambda: (launcher_stopped(store, what, rank, size)
+                                        or _refused(space, rank, size)))
     except CollectiveTimeout as exc:
         live.leave()
         if not skipped:
@@ -448,7 +449,7 @@ def _fit(space: Any, rank: int, size: int) -> bool:
     if theirs is not None and int(theirs) != size:
         if _abandoned(space, int(theirs)):
             return False
-        raise _wrong_size(space, rank, size, int(theirs))
+        raise _refuse_size(space, rank, size, int(theirs))
     if any(g is not None for g in gone):
         return False
     if mine is not None:
@@ -456,9 +457,23 @@ def _fit(space: Any, rank: int, size: int) -> bool:
     return True
 
 
-def _wrong_size(space: Any, rank: int, size: int, theirs: int) -> RendezvousError:
+def _refuse_size(space: Any, rank: int, size: int, theirs: int) -> RendezvousError:
+    """The error for a rank whose world size is not the group's; it is also left in the slot,
+    so that the ranks waiting there learn of the disagreement at once, not at their deadline."""
+    space.compare_set("refused", "", f"{rank}:{size}")
     return RendezvousError(f"rank {rank} was given world size {size}, but the group forming in "
                            f"{space.prefix} has world size {theirs}")
+
+
+def _refused(space: Any, rank: int, size: int) -> RendezvousError | None:
+    """The RendezvousError for a rank waiting in slot ``space`` once a rank that came with
+    another world size has refused the group (``_refuse_size``); None while none has."""
+    value = space.peek(["refused"])[0]
+    if value is None:
+        return None
+    them, _, theirs = value.decode("utf-8", "replace").partition(":")
+    return RendezvousError(f"rank {rank} was given world size {size}, but rank {them}, joining "
+                           f"{space.prefix}, was given world size {theirs}")
 
 
 def _rank_taken(space: Any, rank: int, size: int) -> RendezvousError:

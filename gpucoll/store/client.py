@@ -780,7 +780,7 @@ class Liveness:
 def wait_for_ranks(store: Any, keys: Sequence[str], timeout: float, *, what: str, rank: int,
                    absent: str = "never arrived", liveness: Liveness | None = None,
                    poll: float = POLL, ranks: Sequence[int] | None = None,
-                   stopped: Callable[[], PeerFailure | None] | None = None) -> None:
+                   stopped: Callable[[], GpucollError | None] | None = None) -> None:
     """Block until ``keys[i]`` (rank ``ranks[i]``'s key; by default rank i's) is in ``store``
     for every i.
 
@@ -790,8 +790,8 @@ def wait_for_ranks(store: Any, keys: Sequence[str], timeout: float, *, what: str
     goes in slices of ``poll`` seconds, and between them one of those ranks found gone raises
     PeerFailure naming it: "rank 2 died during split on rank 0 of 3", or that it closed its
     communicator; losing the store that a rank of the group hosts is a PeerFailure naming that rank.
-    ``stopped()``, asked between the slices too, returns the PeerFailure that ends the wait early
-    (the launcher stopping the job for a rank that failed before it came).
+    ``stopped()``, asked between the slices too, returns the error that ends the wait early (the
+    launcher stopping the job for a rank that failed before it came, a rank refusing the group).
     """
     keys = list(keys)
     ranks = list(range(len(keys)) if ranks is None else ranks)
