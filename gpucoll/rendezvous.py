@@ -460,7 +460,10 @@ def _fit(space: Any, rank: int, size: int) -> bool:
 def _refuse_size(space: Any, rank: int, size: int, theirs: int) -> RendezvousError:
     """The error for a rank whose world size is not the group's; it is also left in the slot,
     so that the ranks waiting there learn of the disagreement at once, not at their deadline."""
-    space.compare_set("refused", "", f"{rank}:{size}")
+    try:
+        space.compare_set("refused", "", f"{rank}:{size}")
+    except (GpucollError, OSError):
+        pass  # a store that cannot answer: the waiting ranks' own checks report it
     return RendezvousError(f"rank {rank} was given world size {size}, but the group forming in "
                            f"{space.prefix} has world size {theirs}")
 
