@@ -569,6 +569,50 @@ def test_an_out_of_place_all_reduce_through_the_outboxes_leaves_its_input_alone(
         assert kept and got == want
 
 
+def _out_of_place_beside_in_place(rank, n, addr, hosts):
+    """Large all_reduces with even ranks out of place (read-only input, synchronous and
+    asynchronous) and odd ranks in place, in one call: (input kept, sum exact, each case's
+    result bytes, the same call all in place's)."""
+    import os
+
+    import gpucoll
+
+    os.environ["GPUCOLL_HOST_ID"] = f"host{rank * hosts // n}"
+    count = 1_500_007  # 6 MB of float32: past the one-round paths, several pieces a segment
+    with gpucoll.init("ring", rank=rank, world_size=n, store=addr, timeout=60) as comm:
+        kept, results = True, []
+        for op, async_op in (("sum", False), ("avg", True), ("max", False)):
+            x = data(rank, count, np.dtype("float32"))
+            before = x.copy()
+            x.flags.writeable = False
+            if rank % 2 == 0:
+                out = np.full_like(x, np.nan)
+                work = comm.all_reduce(x, op=op, out=out, async_op=async_op)
+                if async_op:
+                    work.wait()
+            else:
+                out = x.copy()
+                comm.all_reduce(out, op=op)
+            kept &= x.tobytes() == before.tobytes()
+            again = before.copy()
+            comm.all_reduce(again, op=op)
+            results.append((out.tobytes() == again.tobytes(), hash(out.tobytes())))
+        want = sum(data(r, count, np.dtype("float32")) for r in range(n))
+        return kept, results[0][1] == hash(want.tobytes()), results
+
+
+@pytest.mark.parametrize(("n", "transport", "hosts"), [
+    (2, "shm", 1), (3, "tcp", 1), (4, "auto", 2)], ids=["ring-shm", "ring-tcp", "two-hosts"])
+def test_a_large_out_of_place_all_reduce_reads_its_input_where_in_place_reads_out(
+        store_addr, n, transport, hosts):
+    said = spawn(_out_of_place_beside_in_place, n, store_addr, hosts, timeout=120,
+                 env={"GPUCOLL_TRANSPORT": transport})
+    for kept, exact, results in said:
+        assert kept and exact
+        assert all(same for same, _ in results), results
+    assert len({tuple(results) for _, _, results in said}) == 1  # bit-identical on every rank
+
+
 def _outboxes_with_messages_in_flight(rank, n, addr):
     """Rank 0 sends rank 1 a message four times their ring without waiting, then makes a large
     all_reduce; rank 1 posts its receive only once rank 0 is in that call, then joins it. Rank

@@ -419,9 +419,9 @@ class RingBackend(GroupedRing, Backend):
         if self._inflight:
             self.run_sync(_nothing)  # after the asynchronous calls issued before it
         hdr = algos.frame(_ALL_REDUCE, seq, x.dtype, x.size, -1, op)
+        if src is not None and self._all_reduce_from(src, x, op, hdr, timeout):
+            return
         if src is not None:
-            if self._outbox_all_reduce(src, x, op, hdr, timeout):
-                return
             np.copyto(x, src)
         if self.size == 1 and self._error is None:  # nothing to exchange (x / 1 is x)
             return
@@ -470,14 +470,15 @@ class RingBackend(GroupedRing, Backend):
         self._reducing("all_reduce", timeout, hdr, algos.all_reduce, x, host_ufunc(op),
                        self._finish(op, self.size))
 
-    def _outbox_all_reduce(self, x: np.ndarray, out: np.ndarray, op: ReduceOp, hdr: bytes,
-                           timeout: float) -> bool:
-        """An all_reduce out of place through the outboxes, where ``algos.all_reduce`` would
-        take them (decided alike on every rank), at no cost over in place; False elsewhere."""
-        if not algos.use_outboxes(self._engine.outboxes, x.nbytes, self.size, self._small_bytes):
+    def _all_reduce_from(self, x: np.ndarray, out: np.ndarray, op: ReduceOp, hdr: bytes,
+                         timeout: float) -> bool:
+        """An all_reduce out of place where it costs no copy: messages too large for the
+        small paths, whose algorithms read ``x`` where in place they read ``out``; False for
+        the others (the caller copies, then reduces in place)."""
+        if self.size == 1 or x.nbytes <= self._small_bytes:
             return False
-        self._reducing("all_reduce", timeout, hdr, algos.all_reduce_outboxes, x, out,
-                       host_ufunc(op), self._finish(op, self.size))
+        self._reducing("all_reduce", timeout, hdr, algos.all_reduce, out, host_ufunc(op),
+                       self._finish(op, self.size), x)
         return True
 
     def _broadcast(self, x: np.ndarray, root: int, hdr: bytes, timeout: float,

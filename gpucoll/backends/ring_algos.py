@@ -203,23 +203,26 @@ def _in_place_limit(s: Step) -> int:
 
 
 # -- all_reduce -----------------------------------------------------------------------------
-def all_reduce(s: Step, x: np.ndarray, ufunc, finish: Callable | None) -> None:
-    """Reduce ``x`` over all ranks, in place; ``finish(view)`` post-processes (avg)."""
-    if s.size == 1 or x.size == 0:
-        if finish is not None:
-            finish(x)
-        return
-    limit = _in_place_limit(s)
-    if use_direct(x.nbytes, s.size) or x.nbytes <= limit:
-        _all_reduce_direct(s, x, ufunc)
+def all_reduce(s: Step, x: np.ndarray, ufunc, finish: Callable | None,
+               src: np.ndarray | None = None) -> None:
+    """Reduce ``x`` over all ranks, in place; ``finish(view)`` post-processes (avg). With
+    ``src`` out of place: ``x`` := the reduction of every rank's ``src``. The large paths read
+    ``src`` where they would read ``x``, so that costs no copy; the small ones copy it first.
+    The messages are the same either way: ranks in place and out of place work together."""
+    limit = _in_place_limit(s) if s.size > 1 else 0
+    if s.size == 1 or x.size == 0 or use_direct(x.nbytes, s.size) or x.nbytes <= limit:
+        if src is not None:
+            np.copyto(x, src)
+        if s.size > 1 and x.size:
+            _all_reduce_direct(s, x, ufunc)
         if finish is not None:
             finish(x)
     elif s.hosts is not None:
-        _all_reduce_hierarchical(s, x, ufunc, finish)
+        _all_reduce_hierarchical(s, x, ufunc, finish, src)
     elif use_outboxes(s.engine.outboxes, x.nbytes, s.size, limit):
-        all_reduce_outboxes(s, x, x, ufunc, finish)
+        all_reduce_outboxes(s, x if src is None else src, x, ufunc, finish)
     else:
-        _all_reduce_ring(s, x, ufunc, finish)
+        _all_reduce_ring(s, x, ufunc, finish, src)
 
 
 def use_outboxes(boxes, nbytes: int, size: int, limit: int) -> bool:
@@ -391,11 +394,13 @@ def fold_in_rank_order(rank: int, x: np.ndarray, bufs: dict, ufunc) -> None:
         np.copyto(x, acc)
 
 
-def _all_reduce_ring(s: Step, x: np.ndarray, ufunc, finish) -> None:
+def _all_reduce_ring(s: Step, x: np.ndarray, ufunc, finish, src=None) -> None:
     """Reduce-scatter then all-gather around the ring, as one pipeline: each segment is
-    forwarded piece by piece as soon as its reduction (or arrival) completes."""
-    seg = [x[a:b] for a, b in bounds(x.size, s.size)]  # indexed by ring position
-    ops, arrived = _reduce_scatter_steps(s, seg, ufunc)
+    forwarded piece by piece as soon as its reduction (or arrival) completes. With ``src``,
+    ``src``'s values reduced into ``x``."""
+    cuts = bounds(x.size, s.size)
+    seg = [x[a:b] for a, b in cuts]  # indexed by ring position
+    ops, arrived = _reduce_scatter_steps(s, seg, ufunc, _cut(src, cuts))
     if finish is not None:  # avg: the sum must be whole before it is divided and sent on
         s.run(*ops)
         finish(seg[(s.pos + 1) % s.size])
@@ -403,18 +408,26 @@ def _all_reduce_ring(s: Step, x: np.ndarray, ufunc, finish) -> None:
     s.run(*ops, *_all_gather_steps(s, seg, arrived))
 
 
-def _reduce_scatter_steps(s: Step, seg: list, ufunc) -> tuple[list, object]:
+def _reduce_scatter_steps(s: Step, seg: list, ufunc, src: list | None = None
+                          ) -> tuple[list, object]:
     """The ring's reduce-scatter: after it, this rank holds the full reduction of segment
-    ``pos + 1``. Returns the ops and the last one (later sends wait for it)."""
+    ``pos + 1``. With ``src`` (segments like ``seg``) this rank's values are read from there:
+    the first send and every fold take them from ``src``, later sends the partial sums in
+    ``seg``. Returns the ops and the last one (later sends wait for it)."""
     n, p = s.size, s.pos
     nxt, prv = s.at(p + 1), s.at(p - 1)
+    mine = seg if src is None else src
     ops, arrived = [], None
     for step in range(n - 1):
         out_i, in_i = (p - step) % n, (p - step - 1) % n
-        ops.append(s.send(nxt, seg[out_i], gate=arrived))
-        arrived = s.reduce_from(prv, seg[in_i], ufunc)
+        ops.append(s.send(nxt, (seg if step else mine)[out_i], gate=arrived))
+        arrived = s.reduce_from(prv, seg[in_i], ufunc, src=mine[in_i])
         ops.append(arrived)
     return ops, arrived
+
+
+def _cut(src: np.ndarray | None, cuts: list[tuple[int, int]]) -> list | None:
+    return None if src is None else [src[a:b] for a, b in cuts]
 
 
 def _all_gather_steps(s: Step, seg: list, arrived) -> list:
@@ -430,16 +443,21 @@ def _all_gather_steps(s: Step, seg: list, arrived) -> list:
     return ops
 
 
-def _all_reduce_hierarchical(s: Step, x: np.ndarray, ufunc, finish) -> None:
+def _all_reduce_hierarchical(s: Step, x: np.ndarray, ufunc, finish, src=None) -> None:
     """Ranks on several hosts, the same number on each: a reduce-scatter among the ranks of a
     host (shared memory), an all_reduce of each shard among the ranks that hold it on every host
     (the network), then an all-gather on each host. The network carries 1/L of what a flat ring
     sends across it, L ranks' shards at once. Each shard's value is made once, by the network
-    step, and copied from there, so every rank ends bit-identical."""
+    step, and copied from there, so every rank ends bit-identical. With ``src``, ``src``'s
+    values reduced into ``x``."""
     local = next(h for h in s.hosts if s.rank in h)
     node = s.sub(local)
-    seg = [x[a:b] for a, b in bounds(x.size, node.size)]
-    ops, _ = _reduce_scatter_steps(node, seg, ufunc)
+    cuts = bounds(x.size, node.size)
+    seg = [x[a:b] for a, b in cuts]
+    if node.size == 1 and src is not None:  # one rank on this host: no reduce-scatter here
+        np.copyto(x, src)
+        src = None
+    ops, _ = _reduce_scatter_steps(node, seg, ufunc, _cut(src, cuts))
     node.run(*ops)
     shard = (node.pos + 1) % node.size
     across = s.sub([h[node.pos] for h in s.hosts])
@@ -646,11 +664,11 @@ class GroupedRing:
 
         return header
 
-    # -- out of place: copy, then the in-place algorithm on out -----------------------------
+    # -- out of place: copy, then the in-place algorithm on out (large all_reduces: no copy) --
     def all_reduce_out(self, x: ArrayRef, out: ArrayRef, op: ReduceOp, *, timeout: float,
                        stream: Any = None) -> None:
-        if self._outbox_all_reduce(x.host, out.host, op, self._frame("all_reduce", x.host, op=op),
-                                   timeout):
+        if self._all_reduce_from(x.host, out.host, op, self._frame("all_reduce", x.host, op=op),
+                                 timeout):
             return
         np.copyto(out.host, x.host)
         self.all_reduce(out, op, timeout=timeout)
