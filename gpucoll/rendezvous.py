@@ -471,7 +471,10 @@ def _refuse_size(space: Any, rank: int, size: int, theirs: int) -> RendezvousErr
 def _refused(space: Any, rank: int, size: int) -> RendezvousError | None:
     """The RendezvousError for a rank waiting in slot ``space`` once a rank that came with
     another world size has refused the group (``_refuse_size``); None while none has."""
-    value = space.peek(["refused"])[0]
+    try:
+        value = space.peek(["refused"])[0]
+    except (GpucollError, OSError):
+        return None  # a store that cannot answer: the wait's own checks report it
     if value is None:
         return None
     them, _, theirs = value.decode("utf-8", "replace").partition(":")
