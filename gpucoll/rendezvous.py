@@ -389,8 +389,7 @@ def join_group(store: Any, rank: int, size: int, *, job: str | None, timeout: fl
         wait_for_ranks(space, [f"member/{r}" for r in range(size)],
                        max(deadline - time.monotonic(), 0.0), rank=rank, liveness=live,
                        what=what, absent="never arrived (not started, or not yet at gpucoll.init)",
-                       stopped=lambda: (launcher_stopped(store, what, rank, size)
-                                        or _refused(space, rank, size)))
+                       stopped=lambda: _start_up_stopped(store, space, what, rank, size))
     except CollectiveTimeout as exc:
         live.leave()
         if not skipped:
@@ -425,19 +424,26 @@ def read_launcher_abort(value: bytes) -> tuple[int, int, str]:
     return int(status), int(rank), reason
 
 
-def launcher_stopped(store: Any, what: str, rank: int, size: int) -> PeerFailure | None:
-    """The PeerFailure for ``what`` on ``rank`` when the launcher is stopping the job because a
-    rank failed (one that never reached gpucoll.init, say, whom the others would wait for until
-    the launcher kills them); None while it is not."""
+def _start_up_stopped(store: Any, space: Any, what: str, rank: int,
+                      size: int) -> GpucollError | None:
+    """Why ``rank``, waiting for its group in slot ``space`` of ``store``, must stop before its
+    deadline, from one look at the store: a PeerFailure when the launcher is stopping the job
+    because a rank failed (one that never reached gpucoll.init, say, whom the others would wait
+    for until the launcher kills them); a RendezvousError when a rank that came with another
+    world size refused the group (``_refuse_size``); None while neither."""
     try:
-        value = store.peek([LAUNCHER_ABORT])[0]
+        abort, refused = store.peek([LAUNCHER_ABORT, f"{space.prefix}/refused"])
     except (GpucollError, OSError):
         return None  # a store that cannot answer: the wait's own checks report it
-    if value is None:
-        return None
-    _, culprit, reason = read_launcher_abort(value)
-    return PeerFailure(f"{what} on rank {rank} of {size}: the launcher is stopping the job: "
-                       f"{reason}", peer=culprit)
+    if abort is not None:
+        _, culprit, reason = read_launcher_abort(abort)
+        return PeerFailure(f"{what} on rank {rank} of {size}: the launcher is stopping the job: "
+                           f"{reason}", peer=culprit)
+    if refused is not None:
+        them, _, theirs = refused.decode("utf-8", "replace").partition(":")
+        return RendezvousError(f"rank {rank} was given world size {size}, but rank {them}, "
+                               f"joining {space.prefix}, was given world size {theirs}")
+    return None
 
 
 def _fit(space: Any, rank: int, size: int) -> bool:
@@ -466,20 +472,6 @@ def _refuse_size(space: Any, rank: int, size: int, theirs: int) -> RendezvousErr
         pass  # a store that cannot answer: the waiting ranks' own checks report it
     return RendezvousError(f"rank {rank} was given world size {size}, but the group forming in "
                            f"{space.prefix} has world size {theirs}")
-
-
-def _refused(space: Any, rank: int, size: int) -> RendezvousError | None:
-    """The RendezvousError for a rank waiting in slot ``space`` once a rank that came with
-    another world size has refused the group (``_refuse_size``); None while none has."""
-    try:
-        value = space.peek(["refused"])[0]
-    except (GpucollError, OSError):
-        return None  # a store that cannot answer: the wait's own checks report it
-    if value is None:
-        return None
-    them, _, theirs = value.decode("utf-8", "replace").partition(":")
-    return RendezvousError(f"rank {rank} was given world size {size}, but rank {them}, joining "
-                           f"{space.prefix}, was given world size {theirs}")
 
 
 def _rank_taken(space: Any, rank: int, size: int) -> RendezvousError:

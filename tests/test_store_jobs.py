@@ -156,6 +156,19 @@ def test_ranks_given_different_world_sizes_are_both_told_so(store_addr):
         assert s.startswith("RendezvousError") and "world size 2" in s and "world size 3" in s, said
 
 
+def test_a_rank_waiting_at_start_up_stops_when_the_launcher_stops_the_job(store_addr):
+    from gpucoll.rendezvous import LAUNCHER_ABORT, launcher_abort
+    from gpucoll.store import parse_address
+
+    with TCPStore(*parse_address(store_addr), timeout=30) as store:
+        store.set(LAUNCHER_ABORT, launcher_abort(1, 1, "rank 1 exited with status 1"))
+        start = time.monotonic()
+        said = _start(0, 2, store_addr, [2, 2], 60.0)
+    assert said == ("PeerFailure: start-up on rank 0 of 2: the launcher is stopping the job: "
+                    "rank 1 exited with status 1"), said
+    assert time.monotonic() - start < 30
+
+
 def _one_dies_while_another_never_comes(rank: int, n: int, addr: str) -> str:
     host, port = gpucoll.store.parse_address(addr)
     with TCPStore(host, port, timeout=60) as probe:

@@ -419,9 +419,9 @@ class RingBackend(GroupedRing, Backend):
         if self._inflight:
             self.run_sync(_nothing)  # after the asynchronous calls issued before it
         hdr = algos.frame(_ALL_REDUCE, seq, x.dtype, x.size, -1, op)
-        if src is not None and self._all_reduce_from(src, x, op, hdr, timeout):
-            return
         if src is not None:
+            if self._all_reduce_from(src, x, op, hdr, timeout):
+                return
             np.copyto(x, src)
         if self.size == 1 and self._error is None:  # nothing to exchange (x / 1 is x)
             return

@@ -209,7 +209,7 @@ def all_reduce(s: Step, x: np.ndarray, ufunc, finish: Callable | None,
     ``src`` out of place: ``x`` := the reduction of every rank's ``src``. The large paths read
     ``src`` where they would read ``x``, so that costs no copy; the small ones copy it first.
     The messages are the same either way: ranks in place and out of place work together."""
-    limit = _in_place_limit(s) if s.size > 1 else 0
+    limit = _in_place_limit(s)  # -1 alone
     if s.size == 1 or x.size == 0 or use_direct(x.nbytes, s.size) or x.nbytes <= limit:
         if src is not None:
             np.copyto(x, src)
