@@ -938,7 +938,7 @@ def _mid_outboxes(rank, n, addr, event):
 
 
 @pytest.mark.parametrize("transport", ["shm", "shm-python"])
-@pytest.mark.parametrize("n", [3, 4])
+@pytest.mark.parametrize("n", [2, 3, 4])
 def test_a_rank_killed_in_the_middle_of_an_all_reduce_through_the_outboxes_is_named_fast(
         store_addr, transport, n):
     outcomes = spawn(_mid_outboxes, n, store_addr, "killed", env=_env(transport), check=False)

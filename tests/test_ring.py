@@ -478,7 +478,7 @@ def test_ranks_on_the_small_and_the_general_path_meet_in_one_call(store_addr, co
 
 # -- the outboxes: large all_reduces among ranks that all share a host --------------------------
 
-def test_only_an_all_reduce_too_large_for_one_round_among_three_or_more_ranks_takes_the_outboxes():
+def test_only_an_all_reduce_too_large_for_one_round_among_all_of_a_hosts_ranks_takes_the_outboxes():
     from types import SimpleNamespace
 
     from gpucoll.backends.ring_algos import use_outboxes
@@ -487,7 +487,7 @@ def test_only_an_all_reduce_too_large_for_one_round_among_three_or_more_ranks_ta
     assert use_outboxes(boxes, 1001, 4, 1000)
     assert not use_outboxes(boxes, 1000, 4, 1000)  # one round of messages carries it
     assert not use_outboxes(None, 1001, 4, 1000)  # a peer on another host: no outboxes
-    assert not use_outboxes(SimpleNamespace(ranks=[0, 1]), 1001, 2, 1000)  # two: the ring
+    assert use_outboxes(SimpleNamespace(ranks=[0, 1]), 1001, 2, 1000)  # two as well
     assert not use_outboxes(boxes, 1001, 3, 1000)  # a part of the host's ranks
     assert not use_outboxes(boxes, 1001, 4, -1)  # a link that is not shared memory
 
@@ -543,7 +543,7 @@ def _through_the_outboxes(rank, n, addr):
     return wrong, len(calls)
 
 
-@pytest.mark.parametrize("n", [3, 4])
+@pytest.mark.parametrize("n", [2, 3, 4])
 def test_large_all_reduces_through_the_outboxes_are_exact_in_every_form(store_addr, n):
     results = spawn(_through_the_outboxes, n, store_addr, timeout=240,
                     env={"GPUCOLL_TRANSPORT": "shm"})
@@ -602,7 +602,7 @@ def _out_of_place_beside_in_place(rank, n, addr, hosts):
 
 
 @pytest.mark.parametrize(("n", "transport", "hosts"), [
-    (2, "shm", 1), (3, "tcp", 1), (4, "auto", 2)], ids=["ring-shm", "ring-tcp", "two-hosts"])
+    (2, "shm", 1), (3, "tcp", 1), (4, "auto", 2)], ids=["outboxes-shm", "ring-tcp", "two-hosts"])
 def test_a_large_out_of_place_all_reduce_reads_its_input_where_in_place_reads_out(
         store_addr, n, transport, hosts):
     said = spawn(_out_of_place_beside_in_place, n, store_addr, hosts, timeout=120,

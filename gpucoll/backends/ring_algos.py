@@ -226,9 +226,10 @@ def all_reduce(s: Step, x: np.ndarray, ufunc, finish: Callable | None,
 
 
 def use_outboxes(boxes, nbytes: int, size: int, limit: int) -> bool:
-    """From 3 ranks, all on this host (``boxes``: the engine's outboxes), an all_reduce too
-    large for one round of messages (``limit``: ``in_place_bytes``) goes through the outboxes."""
-    return boxes is not None and size >= 3 and len(boxes.ranks) == size and nbytes > limit > 0
+    """When every rank is on this host (``boxes``: the engine's outboxes), an all_reduce too
+    large for one round of messages (``limit``: ``in_place_bytes``, -1 alone) goes through
+    the outboxes."""
+    return boxes is not None and len(boxes.ranks) == size and nbytes > limit > 0
 
 
 def all_reduce_outboxes(s: Step, x: np.ndarray, out: np.ndarray, ufunc,
