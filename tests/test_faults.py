@@ -946,9 +946,10 @@ def test_a_rank_killed_in_the_middle_of_an_all_reduce_through_the_outboxes_is_na
 
 
 @pytest.mark.parametrize("transport", ["shm", "shm-python"])
+@pytest.mark.parametrize("n", [2, 4])
 def test_a_rank_stopped_in_the_middle_of_an_all_reduce_through_the_outboxes_is_named(
-        store_addr, transport):
-    outcomes = spawn(_mid_outboxes, 4, store_addr, "stopped", env=_env(transport), check=False,
+        store_addr, transport, n):
+    outcomes = spawn(_mid_outboxes, n, store_addr, "stopped", env=_env(transport), check=False,
                      timeout=60)
     for o in outcomes[:1] + outcomes[2:]:  # at their 3 s deadline, not at once
         assert o.value is not None, o.trace
@@ -958,8 +959,9 @@ def test_a_rank_stopped_in_the_middle_of_an_all_reduce_through_the_outboxes_is_n
 
 
 @pytest.mark.parametrize("transport", ["shm", "shm-python"])
-def test_abort_ends_a_wait_in_the_outboxes_and_its_peers_learn_why(store_addr, transport):
-    outcomes = spawn(_mid_outboxes, 3, store_addr, "abort", env=_env(transport), check=False)
+@pytest.mark.parametrize("n", [2, 3])
+def test_abort_ends_a_wait_in_the_outboxes_and_its_peers_learn_why(store_addr, transport, n):
+    outcomes = spawn(_mid_outboxes, n, store_addr, "abort", env=_env(transport), check=False)
     _check(outcomes[0], GpucollError, None, "aborted", "the step took too long")
     for o in outcomes[1:]:
         _check(o, PeerFailure, 0, "rank 0", "the step took too long")
