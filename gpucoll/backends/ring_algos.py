@@ -445,19 +445,16 @@ def _all_gather_steps(s: Step, seg: list, arrived) -> list:
 
 
 def _all_reduce_hierarchical(s: Step, x: np.ndarray, ufunc, finish, src=None) -> None:
-    """Ranks on several hosts, the same number on each: a reduce-scatter among the ranks of a
-    host (shared memory), an all_reduce of each shard among the ranks that hold it on every host
-    (the network), then an all-gather on each host. The network carries 1/L of what a flat ring
-    sends across it, L ranks' shards at once. Each shard's value is made once, by the network
-    step, and copied from there, so every rank ends bit-identical. With ``src``, ``src``'s
-    values reduced into ``x``."""
+    """Ranks on several hosts, the same number (two or more) on each: a reduce-scatter among
+    the ranks of a host (shared memory), an all_reduce of each shard among the ranks that hold
+    it on every host (the network), then an all-gather on each host. The network carries 1/L
+    of what a flat ring sends across it, L ranks' shards at once. Each shard's value is made
+    once, by the network step, and copied from there, so every rank ends bit-identical. With
+    ``src``, ``src``'s values reduced into ``x`` (read by the reduce-scatter, no copy)."""
     local = next(h for h in s.hosts if s.rank in h)
     node = s.sub(local)
     cuts = bounds(x.size, node.size)
     seg = [x[a:b] for a, b in cuts]
-    if node.size == 1 and src is not None:  # one rank on this host: no reduce-scatter here
-        np.copyto(x, src)
-        src = None
     ops, _ = _reduce_scatter_steps(node, seg, ufunc, _cut(src, cuts))
     node.run(*ops)
     shard = (node.pos + 1) % node.size
