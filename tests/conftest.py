@@ -5,8 +5,14 @@ the rule that `image` tests (container builds, many minutes) run only when asked
 from __future__ import annotations
 
 import functools
+import pathlib
+import sys
 
 import pytest
+
+# The modules tests share (the spawn helper, the emulations, case tables) live in tests/helpers/;
+# tests import them by their own names, and so do the ranks they start
+sys.path.insert(0, str(pathlib.Path(__file__).resolve().parent / "helpers"))
 
 
 @functools.cache

@@ -151,12 +151,12 @@ def _launch(*args: str) -> subprocess.CompletedProcess:
 
 
 def _train(module: str, out: str) -> None:
-    done = _launch(os.path.join(HERE, "torch_training.py"), module, out)
+    done = _launch(os.path.join(HERE, "helpers", "torch_training.py"), module, out)
     if module == "torch" and done.returncode != 0 and \
             "terminate called without an active exception" in done.stderr:
         # torch's gloo sometimes aborts a rank as it shuts down (a C++ thread never joined);
         # that is the reference run's own failure, not what is under test: run it again
-        done = _launch(os.path.join(HERE, "torch_training.py"), module, out)
+        done = _launch(os.path.join(HERE, "helpers", "torch_training.py"), module, out)
     assert done.returncode == 0, f"{module}:\n{done.stdout}\n{done.stderr}"
 
 

@@ -7,6 +7,7 @@ import socket
 import threading
 
 import pytest
+from multiproc import spawn
 
 from gpucoll.rendezvous import (
     DEFAULT_PORT,
@@ -17,7 +18,6 @@ from gpucoll.rendezvous import (
     from_env,
     job_id,
 )
-from tests.multiproc import spawn
 
 
 # ----------------------------------------------------------------------------- launchers

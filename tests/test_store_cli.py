@@ -3,9 +3,9 @@
 from __future__ import annotations
 
 import pytest
+from store_wire import standalone_store
 
 from gpucoll import StoreError, TCPStore
-from tests.store_wire import standalone_store
 
 
 @pytest.fixture

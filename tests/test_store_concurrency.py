@@ -7,10 +7,10 @@ import socket
 import threading
 
 import pytest
+from multiproc import spawn
 
 from gpucoll import TCPStore
 from gpucoll.store.protocol import HEADER, VERSION, Op, encode
-from tests.multiproc import spawn
 
 
 def reserve_port() -> socket.socket:

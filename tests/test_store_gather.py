@@ -9,11 +9,11 @@ import signal
 import time
 
 import pytest
+from multiproc import spawn
 
 from gpucoll import PrefixStore, TCPStore
 from gpucoll.errors import CollectiveTimeout, PeerFailure, StoreTimeout
 from gpucoll.store import Liveness, gather, leave_group, share, wait_for_ranks
-from tests.multiproc import spawn
 
 
 def test_gather_returns_every_ranks_value_in_rank_order(store_server):

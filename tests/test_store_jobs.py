@@ -11,11 +11,11 @@ import time
 
 import numpy as np
 import pytest
+from multiproc import spawn
+from store_wire import standalone_store
 
 import gpucoll
 from gpucoll import TCPStore
-from tests.multiproc import spawn
-from tests.store_wire import standalone_store
 
 
 def _job(rank: int, n: int, addr: str, plan: dict) -> list[float]:

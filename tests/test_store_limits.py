@@ -12,11 +12,7 @@ import sys
 import threading
 
 import pytest
-
-from gpucoll import TCPStore
-from gpucoll.store import StoreLimits
-from gpucoll.store.protocol import HEADER, Op, Status, decode_args, encode, pack_timeout
-from tests.store_wire import (
+from store_wire import (
     closed_by_server,
     hello,
     raw_connect,
@@ -24,6 +20,10 @@ from tests.store_wire import (
     rss_bytes,
     standalone_store,
 )
+
+from gpucoll import TCPStore
+from gpucoll.store import StoreLimits
+from gpucoll.store.protocol import HEADER, Op, Status, decode_args, encode, pack_timeout
 
 MiB = 1 << 20
 

@@ -11,10 +11,10 @@ import sys
 import threading
 
 import pytest
+from store_wire import closed_by_server, hello, raw_connect, read_frame
 
 from gpucoll import StoreError, StoreTimeout, TCPStore
 from gpucoll.store.protocol import HEADER, Op, Status, decode_args, encode
-from tests.store_wire import closed_by_server, hello, raw_connect, read_frame
 
 
 def still_serves(port: int) -> bool:

@@ -7,11 +7,11 @@ import signal
 import threading
 
 import pytest
+from multiproc import spawn
+from store_wire import closed_by_server, hello, raw_connect, read_frame
 
 from gpucoll import PrefixStore, StoreError, TCPStore
 from gpucoll.store.protocol import HEADER, Op, Status, encode
-from tests.multiproc import spawn
-from tests.store_wire import closed_by_server, hello, raw_connect, read_frame
 
 
 def test_a_will_is_set_when_its_client_closes(store_server):

@@ -1,7 +1,7 @@
 """A data-parallel torch training script, written against torch.distributed's functional API.
 
-    gpucoll run -n 2 tests/torch_training.py torch   OUT.pt   # torch.distributed, gloo
-    gpucoll run -n 2 tests/torch_training.py gpucoll OUT.pt   # gpucoll.distributed
+    gpucoll run -n 2 tests/helpers/torch_training.py torch   OUT.pt   # torch.distributed, gloo
+    gpucoll run -n 2 tests/helpers/torch_training.py gpucoll OUT.pt   # gpucoll.distributed
 
 The two runs differ only in the module imported as ``dist``. Rank 0 saves the final parameters
 of a model trained with SGD and of one trained with Adam (and the losses it saw) to OUT.pt;
