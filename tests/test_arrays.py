@@ -63,6 +63,7 @@ def test_array_interface_object_is_viewed_without_copy():
     assert backing[2] == 7
 
 
+@pytest.mark.slow
 def test_cpu_dlpack_tensor_is_viewed_without_copy():
     torch = pytest.importorskip("torch")
     t = torch.zeros(5, dtype=torch.float32)

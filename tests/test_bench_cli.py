@@ -125,6 +125,7 @@ def test_a_peer_that_is_not_installed_is_named_not_fatal(monkeypatch):
     assert "# Library mpi: not run: mpi is not installed" in text
 
 
+@pytest.mark.slow
 def test_mpi_ranks_are_started_by_mpirun_and_the_others_by_the_launcher():
     opts = parse_args(["-g", "3"])
     mpi = cli.command("mpi", 3, opts, "/tmp/ev")

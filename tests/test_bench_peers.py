@@ -11,6 +11,8 @@ from gpucoll.bench import libraries
 from gpucoll.bench.engine import Case, Engine, HostMemory
 from gpucoll.bench.options import parse_args
 
+pytestmark = pytest.mark.slow  # gloo and Open MPI beside gpucoll
+
 needs_torch = pytest.mark.skipif(importlib.util.find_spec("torch") is None,
                                  reason="torch is not installed")
 

@@ -304,6 +304,7 @@ def _torch_cpu_tensors(rank: int, n: int, addr: str) -> list:
     return [same, t.tolist(), type(gathered).__name__, gathered.tolist()]
 
 
+@pytest.mark.slow
 def test_torch_cpu_tensors_are_reduced_in_place_and_new_results_are_numpy(store_addr):
     pytest.importorskip("torch")
     assert spawn(_torch_cpu_tensors, 2, store_addr, timeout=90) == \

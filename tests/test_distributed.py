@@ -23,7 +23,8 @@ from multiproc import spawn  # noqa: E402
 
 from gpucoll.store import TCPStore  # noqa: E402
 
-pytestmark = pytest.mark.timeout(400)
+# torch tensors through the torch-shaped module, and gloo beside it
+pytestmark = [pytest.mark.timeout(400), pytest.mark.slow]
 
 HERE = os.path.dirname(os.path.abspath(__file__))
 

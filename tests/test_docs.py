@@ -35,6 +35,8 @@ from pathlib import Path
 
 import pytest
 
+pytestmark = pytest.mark.slow  # every code block of the docs
+
 ROOT = Path(__file__).resolve().parent.parent
 PAGES = [ROOT / "README.md", *sorted((ROOT / "docs").glob("*.md"))]
 LANGUAGES = {"python", "bash", "console", "text"}
@@ -262,9 +264,9 @@ def test_the_readme_test_command_is_what_ci_runs():
     steps = [s.strip() for s in second.code.strip().split("&&")]
     ci = [line.strip() for line in (ROOT / ".ci" / "run").read_text().splitlines()
           if line.strip() and not line.lstrip().startswith("#")]
-    assert steps[-1] == "python -m pytest" == ci[-1]
-    assert 'pip install -e ".[test]"' in steps
-    assert any(line.endswith('pip install --quiet -e ".[test]"') for line in ci)
+    assert " && ".join(steps[-2:]) == "python -m pytest && python -m pytest -m slow -n 0" == ci[-1]
+    assert 'pip install -e ".[test,peers]"' in steps
+    assert any(line.endswith('pip install --quiet -e ".[test,peers]"') for line in ci)
 
 
 def anchor(heading: str) -> str:

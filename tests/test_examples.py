@@ -15,6 +15,8 @@ import time
 import pytest
 from launch_helpers import launching
 
+pytestmark = pytest.mark.slow  # the examples, and under torchrun, mpirun and srun
+
 EXAMPLES = os.path.join(os.path.dirname(os.path.dirname(os.path.abspath(__file__))), "examples")
 NAMES = ["quickstart", "train_mlp", "train_epochs", "normalize", "softmax_argmax",
          "ring_allreduce", "hierarchical", "spmd", "shrink"]

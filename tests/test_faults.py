@@ -19,6 +19,7 @@ import time
 import numpy as np
 import pytest
 from multiproc import spawn
+from tiers import grid
 
 import gpucoll
 from gpucoll.errors import (
@@ -31,8 +32,10 @@ from gpucoll.errors import (
 
 LONG = 60.0  # a deadline no passing case gets near: faults must be noticed without it
 BOUND_S = 5.0  # how soon a survivor must raise after a peer dies, closes or disagrees
-TRANSPORTS = ["shm", "tcp"]
-WORLDS = [2, 3]
+TRANSPORTS = grid(["shm", "tcp"], "shm")
+WORLDS = grid([2, 3], 2)
+WITH_PYTHON = grid(["shm", "tcp", "shm-python"], "shm")  # and the Python small exchange
+SHM_KINDS = grid(["shm", "shm-python"], "shm")
 
 pytestmark = pytest.mark.timeout(120)
 
@@ -236,7 +239,7 @@ def test_a_rank_killed_mid_collective_is_named_by_every_survivor(store_addr, tra
     _check_rank_1_killed_in_an_all_reduce(outcomes)
 
 
-@pytest.mark.parametrize("transport", ["shm", "shm-python"])
+@pytest.mark.parametrize("transport", SHM_KINDS)
 def test_a_rank_killed_before_an_all_reduce_through_the_outboxes_is_named_by_every_survivor(
         store_addr, transport):
     outcomes = spawn(_killed_mid_all_reduce, 4, store_addr, OUTBOXES, env=_env(transport),
@@ -623,7 +626,7 @@ def _disagree(rank, n, addr, case, late=False):
     return None
 
 
-@pytest.mark.parametrize("transport", [*TRANSPORTS, "shm-python"])
+@pytest.mark.parametrize("transport", WITH_PYTHON)
 @pytest.mark.parametrize("n", WORLDS)
 @pytest.mark.parametrize("case", sorted(CALLS))
 def test_ranks_that_make_different_calls_all_raise_a_mismatch_naming_both(store_addr,
@@ -636,7 +639,7 @@ def test_ranks_that_make_different_calls_all_raise_a_mismatch_naming_both(store_
         _check(o, CollectiveMismatch, None, "disagree")
 
 
-@pytest.mark.parametrize("transport", [*TRANSPORTS, "shm-python"])
+@pytest.mark.parametrize("transport", WITH_PYTHON)
 def test_a_root_whose_message_a_finished_and_closed_peer_cannot_take_raises_a_mismatch(
         store_addr, transport):
     # rank 2 takes root 0's data, as it expects, and closes before root 1's message can come
@@ -658,7 +661,7 @@ def test_a_root_whose_message_a_finished_and_closed_peer_cannot_take_raises_a_mi
         _check(outcomes[0], CollectiveMismatch, None, "disagree")
 
 
-@pytest.mark.parametrize("transport", ["shm", "shm-python"])
+@pytest.mark.parametrize("transport", SHM_KINDS)
 def test_ranks_that_disagree_on_an_all_reduce_through_the_outboxes_all_raise_a_mismatch(
         store_addr, transport):
     outcomes = spawn(_disagree, 4, store_addr, "outbox size", env=_env(transport),
@@ -698,14 +701,14 @@ def _one_rank_stops(rank, n, addr, count=16):
     return outcome
 
 
-@pytest.mark.parametrize("transport", [*TRANSPORTS, "shm-python"])
-@pytest.mark.parametrize("n", [2, 3, 4])
+@pytest.mark.parametrize("transport", WITH_PYTHON)
+@pytest.mark.parametrize("n", grid([2, 3, 4], 2))
 def test_a_stopped_rank_is_named_with_where_it_stopped_by_every_other_rank(store_addr,
                                                                            transport, n):
     _check_stopped(spawn(_one_rank_stops, n, store_addr, env=_env(transport), timeout=60), n)
 
 
-@pytest.mark.parametrize("transport", ["shm", "shm-python"])
+@pytest.mark.parametrize("transport", SHM_KINDS)
 def test_a_rank_stopped_before_an_all_reduce_through_the_outboxes_is_named_by_every_other_rank(
         store_addr, transport):
     _check_stopped(spawn(_one_rank_stops, 4, store_addr, OUTBOXES, env=_env(transport),
@@ -937,16 +940,16 @@ def _mid_outboxes(rank, n, addr, event):
     return None
 
 
-@pytest.mark.parametrize("transport", ["shm", "shm-python"])
-@pytest.mark.parametrize("n", [2, 3, 4])
+@pytest.mark.parametrize("transport", SHM_KINDS)
+@pytest.mark.parametrize("n", grid([2, 3, 4], 2))
 def test_a_rank_killed_in_the_middle_of_an_all_reduce_through_the_outboxes_is_named_fast(
         store_addr, transport, n):
     outcomes = spawn(_mid_outboxes, n, store_addr, "killed", env=_env(transport), check=False)
     _check_rank_1_killed_in_an_all_reduce(outcomes)
 
 
-@pytest.mark.parametrize("transport", ["shm", "shm-python"])
-@pytest.mark.parametrize("n", [2, 4])
+@pytest.mark.parametrize("transport", SHM_KINDS)
+@pytest.mark.parametrize("n", grid([2, 4], 2))
 def test_a_rank_stopped_in_the_middle_of_an_all_reduce_through_the_outboxes_is_named(
         store_addr, transport, n):
     outcomes = spawn(_mid_outboxes, n, store_addr, "stopped", env=_env(transport), check=False,
@@ -958,8 +961,8 @@ def test_a_rank_stopped_in_the_middle_of_an_all_reduce_through_the_outboxes_is_n
         assert "rank 1 is in all_reduce #2 and does not respond (stopped?)" in text, text
 
 
-@pytest.mark.parametrize("transport", ["shm", "shm-python"])
-@pytest.mark.parametrize("n", [2, 3])
+@pytest.mark.parametrize("transport", SHM_KINDS)
+@pytest.mark.parametrize("n", grid([2, 3], 2))
 def test_abort_ends_a_wait_in_the_outboxes_and_its_peers_learn_why(store_addr, transport, n):
     outcomes = spawn(_mid_outboxes, n, store_addr, "abort", env=_env(transport), check=False)
     _check(outcomes[0], GpucollError, None, "aborted", "the step took too long")

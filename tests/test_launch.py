@@ -297,6 +297,7 @@ def test_a_second_sigint_kills_ranks_that_ignore_the_first(launch, tmp_path):
     assert not any(alive(pid) for pid in pids(job))
 
 
+@pytest.mark.slow
 def test_a_hung_rank_is_stopped_at_the_job_timeout(launch, tmp_path):
     script = write_script(tmp_path, """
         import os, sys, time

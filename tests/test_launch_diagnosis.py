@@ -52,6 +52,7 @@ def launch(tmp_path):
         yield start
 
 
+@pytest.mark.slow
 def test_a_timed_out_job_gets_the_doctors_diagnosis_under_the_ranks_output(launch, tmp_path):
     script = write_script(tmp_path, HANG)
     tee = tmp_path / "logs"

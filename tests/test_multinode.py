@@ -19,6 +19,7 @@ import multinode  # noqa: E402
 pytestmark = pytest.mark.timeout(300)
 
 
+@pytest.mark.slow
 @pytest.mark.skipif(multinode.missing_requirements() is not None,
                     reason=f"cannot simulate two hosts: {multinode.missing_requirements()}")
 def test_two_simulated_hosts_run_a_checked_all_reduce_and_leave_no_namespace(tmp_path):

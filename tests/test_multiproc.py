@@ -60,6 +60,7 @@ def _leave_a_child(rank, n):
         os._exit(0)
 
 
+@pytest.mark.slow
 def test_a_process_left_behind_is_killed_and_fails_the_test():
     with pytest.raises(AssertionError, match="processes left running"):
         spawn(_leave_a_child, 1)

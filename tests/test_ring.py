@@ -8,13 +8,14 @@ import threading
 import numpy as np
 import pytest
 from multiproc import spawn
+from tiers import SLOW, grid
 
 from gpucoll.arrays import as_ref
 from gpucoll.errors import CollectiveTimeout
 from gpucoll.ops import ReduceOp
 
-TRANSPORTS = ["shm", "tcp"]
-WORLDS = [1, 2, 3, 4]
+TRANSPORTS = grid(["shm", "tcp"], "shm")
+WORLDS = grid([1, 2, 3, 4], [1, 2])
 # 0, odd, just under/over the direct-exchange threshold, and a many-piece ring message
 COUNTS = [0, 1, 7, 4099, 16385, 300_007]
 
@@ -213,7 +214,7 @@ def _random_all_reduce(rank, n, addr, transport, op):
 
 
 @pytest.mark.parametrize("op", [ReduceOp.SUM, ReduceOp.AVG, ReduceOp.PROD])
-@pytest.mark.parametrize("n", [3, 4])
+@pytest.mark.parametrize("n", grid([3, 4], 3))
 def test_all_reduce_is_bit_identical_on_every_rank(store_addr, n, op):
     per_rank = spawn(_random_all_reduce, n, store_addr, "shm", op, timeout=60)
     for results in per_rank[1:]:
@@ -409,6 +410,7 @@ def _beyond_64_mib(rank, n, addr, transport):
 
 
 @pytest.mark.slow
+@SLOW
 @pytest.mark.parametrize("transport", TRANSPORTS)
 def test_arrays_beyond_64_mib_reduce_and_broadcast_exactly(store_addr, transport):
     spawn(_beyond_64_mib, 3, store_addr, transport, timeout=100)
@@ -434,8 +436,9 @@ def _half_ring_calls(rank, n, addr, ring_bytes):
     return wrong
 
 
-@pytest.mark.parametrize("native", ["1", "0"], ids=["compiled", "python"])
-@pytest.mark.parametrize("n,ring_bytes", [(2, None), (3, None), (2, "65536")])
+@pytest.mark.parametrize("native", grid(["1", "0"], "1"), ids=["compiled", "python"])
+@pytest.mark.parametrize("n,ring_bytes", grid([(2, None), (3, None), (2, "65536")], [(2, None)],
+                                            rows=True))
 def test_calls_up_to_half_a_ring_are_exact_as_they_wrap_around_it(store_addr, n, ring_bytes,
                                                                   native):
     env = {"GPUCOLL_TRANSPORT": "shm", "GPUCOLL_NATIVE": native}
@@ -543,7 +546,7 @@ def _through_the_outboxes(rank, n, addr):
     return wrong, len(calls)
 
 
-@pytest.mark.parametrize("n", [2, 3, 4])
+@pytest.mark.parametrize("n", grid([2, 3, 4], 2))
 def test_large_all_reduces_through_the_outboxes_are_exact_in_every_form(store_addr, n):
     results = spawn(_through_the_outboxes, n, store_addr, timeout=240,
                     env={"GPUCOLL_TRANSPORT": "shm"})
@@ -601,8 +604,9 @@ def _out_of_place_beside_in_place(rank, n, addr, hosts):
         return kept, results[0][1] == hash(want.tobytes()), results
 
 
-@pytest.mark.parametrize(("n", "transport", "hosts"), [
-    (2, "shm", 1), (3, "tcp", 1), (4, "auto", 2)], ids=["outboxes-shm", "ring-tcp", "two-hosts"])
+@pytest.mark.parametrize(("n", "transport", "hosts"), grid(
+    [(2, "shm", 1), (3, "tcp", 1), (4, "auto", 2)], [(2, "shm", 1)], rows=True),
+    ids=["outboxes-shm", "ring-tcp", "two-hosts"])
 def test_a_large_out_of_place_all_reduce_reads_its_input_where_in_place_reads_out(
         store_addr, n, transport, hosts):
     said = spawn(_out_of_place_beside_in_place, n, store_addr, hosts, timeout=120,

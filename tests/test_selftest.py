@@ -70,6 +70,7 @@ def emulated(store_addr):
     rt.close()
 
 
+@pytest.mark.slow
 def test_every_check_runs_and_passes_through_the_emulation(emulated):
     report = selftest.run(quick=True, timeout=120, setup=selftest_emulation.setup)
     text = render(report)
@@ -82,6 +83,7 @@ def test_every_check_runs_and_passes_through_the_emulation(emulated):
     assert details["a rank that dies (2 ranks, one per GPU)"].startswith("PeerFailure")
 
 
+@pytest.mark.slow
 def test_wrong_results_fail_the_checks_that_compare_them(emulated):
     report = selftest.run(quick=True, timeout=120, setup=selftest_emulation.setup_wrong)
     failed = {c.name for c in report.checks if c.status == "fail"}

@@ -14,6 +14,7 @@ import signal
 import numpy as np
 import pytest
 from multiproc import spawn
+from tiers import grid
 
 import gpucoll
 from gpucoll.errors import PeerFailure
@@ -73,7 +74,7 @@ def _middle_rank_dies(rank, n, addr):
         comm.close()
 
 
-@pytest.mark.parametrize("transport", ["shm", "tcp"])
+@pytest.mark.parametrize("transport", grid(["shm", "tcp"], "shm"))
 def test_the_survivors_form_a_group_renumbered_in_order(store_addr, transport):
     outcomes = spawn(_middle_rank_dies, 4, store_addr, check=False,
                      env={"GPUCOLL_TRANSPORT": transport})

@@ -13,12 +13,14 @@ import functools
 import pytest
 import training_cases
 from multiproc import spawn
+from tiers import grid
 
 from gpucoll.store import TCPStore
 
 pytestmark = pytest.mark.timeout(600)
 
-WORLDS = [(1, "auto"), (2, "tcp"), (2, "shm"), (3, "tcp"), (3, "shm"), (4, "tcp"), (4, "shm")]
+WORLDS = grid([(1, "auto"), (2, "tcp"), (2, "shm"), (3, "tcp"), (3, "shm"), (4, "tcp"),
+               (4, "shm")], [(1, "auto"), (2, "shm")])
 TOPICS = sorted({topic for topic, _, _ in training_cases.CASES})
 
 

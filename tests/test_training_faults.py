@@ -11,11 +11,12 @@ import os
 import numpy as np
 import pytest
 from multiproc import spawn
+from tiers import grid
 
 import gpucoll
 
 pytestmark = pytest.mark.timeout(240)
-TRANSPORTS = ["shm", "tcp"]
+TRANSPORTS = grid(["shm", "tcp"], "shm")
 CALL_TIMEOUT = 30.0
 
 
