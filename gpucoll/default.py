@@ -6,10 +6,12 @@ import dataclasses
 import os
 from typing import Any
 
+from gpucoll import rendezvous
 from gpucoll.backends import create_backend, requested_name
 from gpucoll.communicator import Communicator
 from gpucoll.errors import CollectiveTimeout
 from gpucoll.progress import size_from_env
+from gpucoll.transport.mesh import check_environment
 from gpucoll.validation import check_timeout
 from gpucoll.work import Work
 
@@ -48,6 +50,7 @@ def create(backend: str = "auto", *, rank: int | None = None, world_size: int | 
     timeout = _timeout(timeout)
     interval()  # a bad GPUCOLL_WAIT_LOG is an error here, before any wait
     size_from_env()  # a bad GPUCOLL_TRACE_SIZE is an error before anything is made
+    check_environment()  # and so are the transports' variables
     rank, world_size, base, owned = _rendezvous(rank, world_size, store, timeout)
     space = None
     try:
@@ -64,14 +67,19 @@ def create(backend: str = "auto", *, rank: int | None = None, world_size: int | 
 
 def _timeout(timeout: float | None) -> float:
     if timeout is None:
-        timeout = float(os.environ.get("GPUCOLL_TIMEOUT") or DEFAULT_TIMEOUT)
+        raw = os.environ.get("GPUCOLL_TIMEOUT", "").strip()
+        try:
+            timeout = float(raw) if raw else DEFAULT_TIMEOUT
+        except ValueError:
+            raise ValueError(f"GPUCOLL_TIMEOUT={raw!r}: expected the seconds start-up and each "
+                             f"call may take (a number > 0)") from None
+        return check_timeout(timeout, "GPUCOLL_TIMEOUT", "gpucoll.init")
     return check_timeout(timeout, "timeout", "gpucoll.init")
 
 
 def _rendezvous(rank: Any, world_size: Any, store: Any,
                 timeout: float) -> tuple[int, int, Any, Any]:
     """(rank, world size, store, the store if init made it and must close it, else None)."""
-    from gpucoll import rendezvous
     from gpucoll.store import TCPStore, parse_address
 
     if (rank is None) != (world_size is None):
@@ -168,6 +176,9 @@ def _check_rank(rank: Any, world_size: Any) -> None:
     if world_size < 1 or not 0 <= rank < world_size:
         raise ValueError(f"gpucoll.init: need 0 <= rank < world_size, got rank={rank}, "
                          f"world_size={world_size}")
+    if world_size > rendezvous.MAX_WORLD_SIZE:
+        raise ValueError(f"gpucoll.init: world_size={world_size} is more ranks than gpucoll "
+                         f"supports ({rendezvous.MAX_WORLD_SIZE})")
 
 
 def _namespace(store: Any, rank: int, world_size: int, timeout: float) -> Any:

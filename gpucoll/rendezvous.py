@@ -42,6 +42,9 @@ from gpucoll.errors import (
 )
 
 DEFAULT_PORT = 29510
+# Ranks meet through one store, each reading every other's keys: beyond this a world size is a
+# mistake (a garbled variable), refused before any key is made rather than waited on
+MAX_WORLD_SIZE = 1 << 16
 _JOB_PORT_BASE, _JOB_PORT_SPAN = 20000, 12000  # below Linux's ephemeral range (32768+)
 
 
@@ -156,6 +159,9 @@ def _local(env: Mapping[str, str], src: _Source, rank: int, size: int) -> tuple[
 
 
 def _check_ranks(src: _Source, rank: int, size: int, local_rank: int, local_size: int) -> None:
+    if size > MAX_WORLD_SIZE:
+        raise RendezvousError(f"{src.name} environment: {src.size}={size} is more ranks than "
+                              f"gpucoll supports ({MAX_WORLD_SIZE})")
     if size < 1 or not 0 <= rank < size:
         raise RendezvousError(f"{src.name} environment: rank {rank} is not in a world of "
                               f"{size} ({src.rank}, {src.size})")
@@ -506,5 +512,6 @@ def _identity(store: Any) -> tuple:
     return (where, *prefixes)
 
 
-__all__ = ["DEFAULT_PORT", "Rendezvous", "RendezvousError", "connect_store", "expand_hostlist",
-           "from_env", "job_id", "join_group", "launcher_named", "local_rank", "store_url"]
+__all__ = ["DEFAULT_PORT", "MAX_WORLD_SIZE", "Rendezvous", "RendezvousError", "connect_store",
+           "expand_hostlist", "from_env", "job_id", "join_group", "launcher_named", "local_rank",
+           "store_url"]

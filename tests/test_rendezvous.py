@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import dataclasses
+import re
 import socket
 import threading
 
@@ -11,6 +12,7 @@ from multiproc import spawn
 
 from gpucoll.rendezvous import (
     DEFAULT_PORT,
+    MAX_WORLD_SIZE,
     Rendezvous,
     RendezvousError,
     connect_store,
@@ -192,6 +194,26 @@ def test_several_hosts_without_an_address_say_what_to_set():
 def test_malformed_gpucoll_store_is_named():
     with pytest.raises(RendezvousError, match="GPUCOLL_STORE"):
         from_env({"GPUCOLL_RANK": "0", "GPUCOLL_WORLD_SIZE": "1", "GPUCOLL_STORE": "node0"})
+
+
+@pytest.mark.parametrize("address", ["http://node0:4000", "https://node0:4000", "tcp://a/b:4000",
+                                     "tcp://node0:http", "tcp://node 0:4000", "tcp://:4000"])
+def test_a_store_address_that_is_not_tcp_host_port_is_refused_naming_it(address):
+    with pytest.raises(RendezvousError, match=f"GPUCOLL_STORE: .*{re.escape(address)}"):
+        from_env({"GPUCOLL_RANK": "0", "GPUCOLL_WORLD_SIZE": "1", "GPUCOLL_STORE": address})
+
+
+@pytest.mark.parametrize("address", ["tcp://node0:4000", "node0:4000", "tcp://[::1]:4000",
+                                     "tcp://10.0.0.1:4000", "tcp://node-0.cluster_a:4000"])
+def test_store_addresses_of_every_documented_form_are_read(address):
+    rdv = from_env({"GPUCOLL_RANK": "0", "GPUCOLL_WORLD_SIZE": "1", "GPUCOLL_STORE": address})
+    assert rdv.store_port == 4000 and rdv.store_is_running
+
+
+def test_a_world_size_beyond_what_one_store_can_gather_is_refused_at_once():
+    with pytest.raises(RendezvousError, match="GPUCOLL_WORLD_SIZE=1000000000 is more ranks"):
+        from_env({"GPUCOLL_RANK": "0", "GPUCOLL_WORLD_SIZE": "1000000000"})
+    assert from_env({"RANK": "0", "WORLD_SIZE": str(MAX_WORLD_SIZE)}).world_size == MAX_WORLD_SIZE
 
 
 def test_rendezvous_is_frozen():

@@ -20,6 +20,7 @@ from __future__ import annotations
 import json
 import math
 import os
+import re
 import socket
 import struct
 import threading
@@ -308,11 +309,24 @@ def _bytes(value: bytes | str, what: str) -> bytes:
     raise TypeError(f"{what}: values are bytes or str, got {type(value).__name__}")
 
 
+_HOST = re.compile(r"[A-Za-z0-9_.-]+|\[[0-9A-Fa-f:.%A-Za-z]+\]")
+
+
 def parse_address(address: str) -> tuple[str, int]:
-    """``"tcp://host:port"`` (or ``host:port``; IPv6 as ``[::1]:port``) -> (host, port)."""
-    rest = address[len("tcp://"):] if address.startswith("tcp://") else address
+    """``"tcp://host:port"`` (or ``host:port``; IPv6 as ``[::1]:port``) -> (host, port); a
+    ValueError, before anything connects, for any other scheme or a malformed host or port."""
+    if not isinstance(address, str):
+        raise ValueError(f"store address must be a string tcp://HOST:PORT, got "
+                         f"{type(address).__name__}")
+    scheme, sep, rest = address.partition("://")
+    if not sep:
+        rest = address
+    elif scheme != "tcp":
+        raise ValueError(f"store address must look like tcp://HOST:PORT, got {address!r} "
+                         f"(a {scheme}:// address: the store speaks its own protocol over TCP)")
     host, sep, port = rest.rpartition(":")
-    if not sep or not host or not port.isdigit() or not 0 < int(port) < 65536:
+    if (not sep or not _HOST.fullmatch(host) or not port.isdigit()
+            or not 0 < int(port) < 65536):
         raise ValueError(f"store address must look like tcp://HOST:PORT, got {address!r}")
     return host.strip("[]"), int(port)
 

@@ -72,6 +72,14 @@ def host_identity() -> str:
     return f"{socket.gethostname()}/{boot}"
 
 
+def check_environment() -> None:
+    """ValueError for a malformed transport variable (GPUCOLL_TRANSPORT, GPUCOLL_NATIVE,
+    GPUCOLL_SHM_RING_BYTES), before a rank waits for anyone."""
+    resolve_transport("auto")
+    shm.native()
+    shm.ring_bytes_from_env()
+
+
 def resolve_transport(transport: str) -> str:
     """``transport="auto"`` defers to GPUCOLL_TRANSPORT; ValueError on anything unknown."""
     if transport == "auto":

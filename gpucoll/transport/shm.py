@@ -63,7 +63,30 @@ def ordered_cpu(machine: str | None = None) -> bool:
 def native() -> object | None:
     """The compiled small-message exchange (``_shmfast``), or None where it was not built or
     GPUCOLL_NATIVE=0 turns it off (the same protocol then runs in Python)."""
-    return _shmfast if os.environ.get("GPUCOLL_NATIVE", "1") != "0" else None
+    return _shmfast if _native_wanted() else None
+
+
+def _native_wanted() -> bool:
+    raw = os.environ.get("GPUCOLL_NATIVE", "1").strip()
+    if raw not in ("0", "1", ""):
+        raise ValueError(f"GPUCOLL_NATIVE={raw!r}: expected 1 (the compiled small-message "
+                         f"exchange where it was built, the default) or 0 (its Python form)")
+    return raw != "0"
+
+
+def ring_bytes_from_env() -> int | None:
+    """GPUCOLL_SHM_RING_BYTES as a number of bytes (at least 4096), or None where unset."""
+    raw = os.environ.get("GPUCOLL_SHM_RING_BYTES", "").strip()
+    if not raw:
+        return None
+    try:
+        value = int(raw)
+    except ValueError:
+        value = 0
+    if value < 4096:
+        raise ValueError(f"GPUCOLL_SHM_RING_BYTES={raw!r}: expected the data bytes of one "
+                         f"shared-memory ring, an integer >= 4096")
+    return value
 
 
 def _align16(n: int) -> int:
@@ -73,9 +96,9 @@ def _align16(n: int) -> int:
 def ring_bytes(local_peers: int) -> int:
     """Data bytes of one ring: 2 MiB (four pieces in flight, and still cache-sized), less when
     many ranks share the host; always a multiple of 16."""
-    env = os.environ.get("GPUCOLL_SHM_RING_BYTES")
-    if env:
-        return max(_align16(int(env)), 4096)  # small rings only cap the in-place size
+    env = ring_bytes_from_env()
+    if env is not None:
+        return _align16(env)  # small rings only cap the in-place size
     return max(2 << 20 >> max(local_peers - 8, 0).bit_length(), 256 << 10)
 
 
