@@ -68,6 +68,7 @@ from gpucoll.errors import (
     StoreError,
     UsageError,
 )
+from gpucoll.messages import MessageCalls
 from gpucoll.objects import ObjectCalls
 from gpucoll.progress import KIND, NO_CALL, Recorder, clock, ranks_text, size_from_env, stream_id
 from gpucoll.store import Liveness, agree_survivors, leave_group, share, wait_for_ranks
@@ -251,8 +252,8 @@ def _members(c: Call, ranks: Any, size: int) -> list[int]:
     return sorted(out)
 
 
-class Communicator(OutOfPlaceCalls, UnevenCalls, ObjectCalls, PointToPointCalls, FusedCalls,
-                   GroupCalls):
+class Communicator(OutOfPlaceCalls, UnevenCalls, ObjectCalls, MessageCalls, PointToPointCalls,
+                   FusedCalls, GroupCalls):
     """A group of ``size`` ranks; this process is ``rank``; ``backend`` names the engine.
 
     Every method is collective (all ranks of the group call it, in the same order) except
