@@ -496,19 +496,21 @@ class Communicator(OutOfPlaceCalls, UnevenCalls, ObjectCalls, MessageCalls, Poin
     # -- point to point and barrier ---------------------------------------------------------
 
     @_entry
-    def send(self, x: Any, dst: int, *, async_op: bool = False, timeout: float | None = None,
-             stream: Any = None) -> Work | None:
+    def send(self, x: Any, dst: int, *, tag: int = 0, async_op: bool = False,
+             timeout: float | None = None, stream: Any = None) -> Work | None:
         """Send ``x`` to rank ``dst``, which calls ``recv`` with the same dtype and size.
 
         With ``async_op=True`` the send progresses alongside later sends and receives (a
         blocking ``recv`` completes while it is pending). Messages between two ranks arrive in
-        the order they were sent.
+        the order they were sent, whatever their ``tag`` (an int >= 0): arrays pair in order,
+        and the receive names the same tag (checked under GPUCOLL_DEBUG=1).
         """
         c = self._call("send")
         ref = c.array(x, "x")
         dst = c.peer(dst, "dst")
+        tag = c.tag(tag)
         t = c.timeout(timeout, self.timeout)
-        check = self._pair_signature(c, ref, dst, sending=True)
+        check = self._pair_signature(c, ref, dst, sending=True, tag=tag)
         b = self._backend
         if async_op and check is None:
             self._recorder.posted()  # its end is the Work's, which the recorder does not see
@@ -517,16 +519,17 @@ class Communicator(OutOfPlaceCalls, UnevenCalls, ObjectCalls, MessageCalls, Poin
                            None, async_op, stream, check=check, timeout=t)
 
     @_entry
-    def recv(self, x: Any, src: int, *, async_op: bool = False, timeout: float | None = None,
-             stream: Any = None) -> Any:
+    def recv(self, x: Any, src: int, *, tag: int = 0, async_op: bool = False,
+             timeout: float | None = None, stream: Any = None) -> Any:
         """Receive into ``x`` what rank ``src`` sends; returns ``x``.
 
         ``async_op=True`` posts the receive and returns its Work at once (see ``send``)."""
         c = self._call("recv")
         ref = c.array(x, "x", writable=True)
         src = c.peer(src, "src")
+        tag = c.tag(tag)
         t = c.timeout(timeout, self.timeout)
-        check = self._pair_signature(c, ref, src, sending=False)
+        check = self._pair_signature(c, ref, src, sending=False, tag=tag)
         b = self._backend
         if async_op and check is None and ref.array is x:
             self._recorder.posted()  # its end is the Work's, which the recorder does not see
@@ -925,13 +928,13 @@ class Communicator(OutOfPlaceCalls, UnevenCalls, ObjectCalls, MessageCalls, Poin
         self._in_store(lambda: self._check.collective(seq, sig, t, c.name))
         return seq
 
-    def _pair_signature(self, c: Call, ref: ArrayRef, peer: int,
-                        sending: bool) -> Callable[[float], None] | None:
+    def _pair_signature(self, c: Call, ref: ArrayRef, peer: int, sending: bool,
+                        tag: int = 0) -> Callable[[float], None] | None:
         self._recorder.point_to_point(KIND.get(c.name, 0), ref, peer)
         if self._check is None:
             return None
         sig = {"call": c.name, "dtype": ref.dtype.name, "shape": list(ref.shape),
-               "count": ref.count, "peer": peer}
+               "count": ref.count, "peer": peer, "tag": tag}
         verify = self._check.point_to_point(peer, sending, sig, c.name)
         return lambda timeout: self._in_store(lambda: verify(timeout))
 

@@ -320,7 +320,7 @@ class MessageCalls:
         may not have it yet). An object that does not pickle raises here, and the receive
         that matches it raises a PicklingError naming this rank."""
         c = self._call("send_object")
-        dst, tag, t = c.peer(dst, "dst"), _tag(c, tag, False), c.timeout(timeout, self.timeout)
+        dst, tag, t = c.peer(dst, "dst"), c.tag(tag), c.timeout(timeout, self.timeout)
         packed, arrays = self._outgoing(c, obj, dst, tag)
         box = self._boxes()
 
@@ -342,7 +342,7 @@ class MessageCalls:
         """Start sending ``obj`` to rank ``dst`` with ``tag`` and return its Work (mpi4py's
         ``isend``). ``obj`` is pickled now: changing it afterwards changes nothing sent."""
         c = self._call("isend_object")
-        dst, tag, t = c.peer(dst, "dst"), _tag(c, tag, False), c.timeout(timeout, self.timeout)
+        dst, tag, t = c.peer(dst, "dst"), c.tag(tag), c.timeout(timeout, self.timeout)
         packed, arrays = self._outgoing(c, obj, dst, tag)
         box = self._boxes()
         if box.stored:
@@ -404,7 +404,7 @@ class MessageCalls:
             src = None
         else:
             src = c.peer(src, "src")
-        tag = _tag(c, tag, True)
+        tag = c.tag(tag, receiving=True)
         t = c.timeout(timeout, self.timeout)
         return Receive(src, None if tag == ANY_TAG else tag, time.monotonic() + t, c.where)
 
@@ -442,14 +442,6 @@ def _cut(a: np.ndarray) -> list[np.ndarray]:
     flat = a.view(np.uint8).reshape(-1)
     step = STORE_PART_BYTES
     return [flat[i:i + step] for i in range(0, flat.size, step)] or [flat]
-
-
-def _tag(c: Call, tag: Any, receiving: bool) -> int:
-    tag = c.integer(tag, "tag", expected="an int >= 0" + (" or ANY_TAG" if receiving else ""))
-    if tag < 0 and not (receiving and tag == ANY_TAG):
-        raise c.fail(ValueError, f"tag={tag} is negative; expected an int >= 0"
-                                 + (" or gpucoll.ANY_TAG" if receiving else ""))
-    return tag
 
 
 def _raise_own(c: Call, packed: Packed) -> None:

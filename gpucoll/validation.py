@@ -119,6 +119,14 @@ class Call:
             raise self.fail(ValueError, f"{name}={value} is this rank; send/recv need another rank")
         return value
 
+    def tag(self, value: Any, *, receiving: bool = False) -> int:
+        """A message tag: an int >= 0 (a receive of an object may also pass ANY_TAG, -1)."""
+        tag = self.integer(value, "tag", expected="an int >= 0")
+        if tag < 0 and not (receiving and tag == -1):
+            raise self.fail(ValueError, f"tag={tag} is negative; expected an int >= 0"
+                                        + (" or gpucoll.ANY_TAG" if receiving else ""))
+        return tag
+
     def timeout(self, value: Any, default: float) -> float:
         if value is None:
             return default
@@ -289,6 +297,12 @@ class SignatureCheck:
             if self.store.add(f"{base}/read", 1) == 2:  # both sides have read: clean up
                 for key in (mine, theirs, f"{base}/read"):
                     self.store.delete_key(key)
+            if other.get("tag", 0) != sig.get("tag", 0):
+                raise CollectiveMismatch(
+                    f"{self._where(name)}: message #{n} from rank {src} to rank {dst} does "
+                    f"not match: rank {self.rank} called {describe(sig)} with tag "
+                    f"{sig.get('tag', 0)}, rank {peer} called {describe(other)} with tag "
+                    f"{other.get('tag', 0)} (arrays pair in order; tags must agree)")
             if other["dtype"] != sig["dtype"] or other["count"] != sig["count"]:
                 raise CollectiveMismatch(
                     f"{self._where(name)}: message #{n} from rank {src} to rank {dst} does "

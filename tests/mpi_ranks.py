@@ -215,6 +215,51 @@ def bad_object_arguments(rank: int, n: int, addr: str, backend: str) -> list:
         return out
 
 
+# -- tags on arrays ------------------------------------------------------------------------------
+
+def array_tags(rank: int, n: int, addr: str, backend: str) -> list:
+    """Arrays with tags through send/recv, isend/irecv and a batch; then bad tags, raised
+    before anything is sent."""
+    with world(rank, n, addr, backend) as comm:
+        got = []
+        if rank == 0:
+            comm.send(np.arange(4, dtype=np.int32), 1, tag=77)
+            comm.isend(np.full(3, 2.5), 1, tag=5).wait()
+            with comm.batch():
+                comm.isend(np.ones(2, np.int64), 1, tag=9)
+            comm.batch_isend_irecv([gpucoll.P2POp("isend", np.zeros(2), 1, tag=3)])[0].wait()
+        elif rank == 1:
+            a, b = np.empty(4, np.int32), np.empty(3)
+            got.append(comm.recv(a, 0, tag=77).tolist())
+            got.append(comm.irecv(b, 0, tag=5).wait().tolist())
+            c = np.empty(2, np.int64)
+            with comm.batch() as step:
+                comm.irecv(c, 0, tag=9)
+            step.wait()
+            got.append(c.tolist())
+            d = np.empty(2)
+            comm.batch_isend_irecv([gpucoll.P2POp(gpucoll.irecv, d, 0, tag=3)])[0].wait()
+            got.append(d.tolist())
+        x = np.zeros(2)
+        got.append(outcome(lambda: comm.send(x, 1 - rank, tag=-1)))
+        got.append(outcome(lambda: comm.recv(x, 1 - rank, tag="a")))
+        got.append(outcome(lambda: comm.isend(x, 1 - rank, tag=2.0)))
+        got.append(outcome(lambda: gpucoll.P2POp("isend", x, 1, tag=-3) and
+                           comm.batch_isend_irecv([gpucoll.P2POp("isend", x, 1 - rank,
+                                                                 tag=-3)])))
+        comm.barrier()  # nothing of the bad calls was sent: the group is still in step
+        return got
+
+
+def array_tags_that_disagree(rank: int, n: int, addr: str, backend: str) -> tuple:
+    """Under GPUCOLL_DEBUG=1 a receive whose tag is not the send's is a mismatch on both."""
+    with world(rank, n, addr, backend) as comm:
+        x = np.zeros(3)
+        if rank == 0:
+            return outcome(lambda: comm.send(x, 1, tag=4))
+        return outcome(lambda: comm.recv(x, 0, tag=6))
+
+
 # -- reductions of objects ------------------------------------------------------------------------
 
 def object_reductions(rank: int, n: int, addr: str, backend: str) -> dict:

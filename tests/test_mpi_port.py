@@ -120,6 +120,30 @@ def test_bad_object_arguments_raise_before_anything_is_sent(store_addr, backend)
     assert receiver[2] == ("ok", "'good'")
 
 
+# -- tags on arrays ------------------------------------------------------------------------------
+
+@pytest.mark.parametrize("backend", BACKENDS)
+def test_arrays_carry_tags_through_every_point_to_point_call(store_addr, backend):
+    for rank, got in enumerate(_run(ranks.array_tags, 2, store_addr, backend)):
+        if rank == 1:
+            assert got[:4] == [[0, 1, 2, 3], [2.5] * 3, [1, 1], [0.0, 0.0]]
+        bad = got[-4:]
+        assert [kind for kind, _ in bad] == ["ValueError", "TypeError", "TypeError",
+                                             "ValueError"], bad
+        assert bad[0][1].startswith(f"send on rank {rank} of 2: tag=-1 is negative")
+        assert bad[1][1].startswith(f"recv on rank {rank} of 2: tag must be an int >= 0")
+        assert "batch_isend_irecv" in bad[3][1] or "isend" in bad[3][1]
+
+
+@pytest.mark.parametrize("backend", BACKENDS)
+def test_array_tags_that_disagree_are_a_mismatch_under_debug(store_addr, backend):
+    results = spawn(ranks.array_tags_that_disagree, 2, store_addr, backend, timeout=100,
+                    env={"GPUCOLL_DEBUG": "1"})
+    for kind, text in results:
+        assert kind == "CollectiveMismatch", results
+        assert "with tag 4" in text and "with tag 6" in text, text
+
+
 # -- reductions of objects ------------------------------------------------------------------------
 
 def _reductions_want(n: int) -> list[dict]:
