@@ -1,10 +1,14 @@
 """The mpi4py tutorial's programs, ported to gpucoll (``tests/ports/mpi4py``), run under
-``gpucoll run`` and print what they computed: every rank must say ``rank R: ok NAME``."""
+``gpucoll run`` (and one under Open MPI's ``mpirun``) and print what they computed: every rank
+must say ``rank R: ok NAME``."""
 
 from __future__ import annotations
 
 import os
 import re
+import shutil
+import subprocess
+import sys
 
 import pytest
 from launch_helpers import launching
@@ -51,3 +55,14 @@ def test_a_ported_tutorial_program_runs_on_two_ranks(launch, name):
 @pytest.mark.parametrize("name", NAMES)
 def test_a_ported_tutorial_program_runs_on_four_ranks(launch, name):
     run_port(launch, name, 4)
+
+
+@pytest.mark.skipif(shutil.which("mpirun") is None, reason="needs Open MPI's mpirun")
+def test_a_ported_program_runs_under_mpirun_from_open_mpis_environment():
+    root = ["--allow-run-as-root"] if os.geteuid() == 0 else []
+    proc = subprocess.run(["mpirun", *root, "--oversubscribe", "-n", "2", sys.executable,
+                           os.path.join(PORTS, "cpi.py")], capture_output=True, text=True,
+                          timeout=120, stdin=subprocess.DEVNULL)
+    assert proc.returncode == 0, proc.stdout + proc.stderr
+    assert sorted(re.findall(r"rank (\d): ok cpi 3\.14160", proc.stdout)) == ["0", "1"], \
+        proc.stdout
