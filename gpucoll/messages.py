@@ -32,7 +32,7 @@ from typing import Any
 import numpy as np
 
 from gpucoll.arrays import as_ref
-from gpucoll.errors import CollectiveTimeout, UsageError
+from gpucoll.errors import CollectiveTimeout, PeerFailure, UsageError
 from gpucoll.objects import (
     HEAD,
     Packed,
@@ -49,6 +49,7 @@ from gpucoll.work import Work
 ANY_SOURCE = -1  # recv_object/irecv_object: a message from any rank
 ANY_TAG = -1  # recv_object/irecv_object: a message with any tag
 _POLL_S = (20e-6, 1e-3)  # first and longest pause between looks at the counters
+_CHECK_S = 0.5  # how often a waiting receive asks whether its senders are still there
 STORE_PART_BYTES = 64 << 20  # the largest value a message left in the store is cut into
 
 
@@ -219,17 +220,34 @@ class Mailbox:
             while r.message is None:
                 self.comm._backend.run_sync(lambda: self.read(r.src, r.deadline, r.where))
             return True
-        pause = _POLL_S[0]
+        pause, next_check = _POLL_S[0], time.monotonic() + _CHECK_S
         while r.message is None:
+            gone = None
+            if time.monotonic() >= next_check:  # before the look: what it misses never comes
+                gone, next_check = self._gone(), time.monotonic() + _CHECK_S
             if self.look(r):
                 pause = _POLL_S[0]
                 continue
+            if gone:
+                self._raise_if_no_sender(r, gone)
             now = time.monotonic()
             if now >= until:
                 return False
             time.sleep(min(pause, until - now))
             pause = min(pause * 2, _POLL_S[1])
         return True
+
+    def _gone(self) -> dict[int, str]:
+        liveness = self.comm._liveness
+        return {} if liveness is None else liveness.gone()
+
+    def _raise_if_no_sender(self, r: Receive, gone: dict[int, str]) -> None:
+        """Every rank ``r`` could match is gone and left nothing unread: it can never match."""
+        senders = [r.src] if r.src is not None else [p for p in range(self.size)
+                                                       if p != self.rank]
+        if all(p in gone for p in senders):
+            what = "; ".join(f"rank {p} {gone[p]}" for p in senders)
+            raise PeerFailure(f"{r.describe()} can arrive: {what}")
 
 
 class ObjectReceive(Work):

@@ -177,6 +177,18 @@ def timed_out_receives(rank: int, n: int, addr: str, backend: str) -> list:
         return out
 
 
+def any_source_receive_whose_senders_are_gone(rank: int, n: int, addr: str,
+                                              backend: str) -> tuple:
+    """Rank 1 dies without sending: rank 0's receive from any source says so within seconds,
+    long before its 30 s deadline."""
+    with world(rank, n, addr, backend) as comm:
+        if rank == 1:
+            os._exit(3)
+        t = time.monotonic()
+        result = outcome(lambda: comm.recv_object(tag=4, timeout=30))
+        return result, time.monotonic() - t
+
+
 def named_source_receive_that_times_out_ends_the_group(rank: int, n: int, addr: str,
                                                        backend: str) -> tuple:
     """A blocking receive from a named rank waits on that rank's channel: its timeout is the

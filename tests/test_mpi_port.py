@@ -90,6 +90,19 @@ def test_receives_that_nothing_matches_time_out_and_the_communicator_goes_on(sto
     assert out[3][1] == "'other tag'" and out[4][1] == "'late'"
 
 
+@pytest.mark.parametrize("backend", BACKENDS)
+def test_a_receive_from_any_source_whose_senders_died_fails_within_seconds(store_addr, backend):
+    from multiproc import RanksFailed
+
+    with pytest.raises(RanksFailed) as failed:
+        _run(ranks.any_source_receive_whose_senders_are_gone, 2, store_addr, backend)
+    rank0 = failed.value.outcomes[0]
+    assert rank0.ok, rank0.trace
+    (kind, text), took = rank0.value
+    assert kind == "PeerFailure" and "rank 1 died" in text, text
+    assert "no object from any rank with tag 4" in text and took < 10
+
+
 def test_a_blocking_receive_from_a_named_rank_that_times_out_ends_the_group(store_addr):
     first, then = _run(ranks.named_source_receive_that_times_out_ends_the_group, 2, store_addr,
                        "shm")[0]
