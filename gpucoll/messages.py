@@ -7,16 +7,21 @@ source with its tag, in the order they were sent (MPI's non-overtaking rule per 
 a message that no receive wants yet waits on the receiving rank for its own. Posted receives are
 matched in the order they were posted.
 
-How: between two ranks object messages travel in order on the backend's point-to-point channel
-(the host ring's links; NCCL's send and receive, staged through device memory), packed as the
+How: between two ranks object messages travel in order on the host ring's links, packed as the
 object collectives pack them (``gpucoll.objects``), the tag in the head. The receiving rank reads
 them off that channel in order and matches each, host-side, against its posted receives; one that
 no receive wants is kept, still pickled, until one does. So that a rank can tell which peers
 have a message for it without blocking on any (``ANY_SOURCE``, ``is_completed()``, ``wait`` with
-a timeout), every send first counts the message in the group's store (one ``add`` on the key
-``objects/{dst}/{src}``, about 20 us on one host), and such a receive reads a message off the
-channel only once it is counted: it polls the counters, backing off from 20 us to 1 ms. A
-receive that blocks on one named source reads its channel directly instead.
+a timeout), every send first marks the message in the group's store (one request that waits for
+no reply; the key ``objects/{dst}/{src}/{block}/{n}``, a block's 64 keys deleted together by the
+receiver), and such a receive reads a message off the channel only once it is marked: it polls
+the markers, backing off from 20 us to 1 ms, and every half second asks whether its senders are
+still there. A receive that blocks on one named source reads its channel directly instead.
+
+NCCL pairs each send with a receive on a stream, in order, and cannot hold a message until its
+receive comes (a rank's receive would queue behind its own unfinished send), so on NCCL object
+messages wait in the store itself (``mail/{dst}/{src}/{n}/``, parts of at most 64 MiB), sent in
+one request with their marker and deleted once read.
 
 Arrays and objects between two ranks share that one ordered channel: a tag reorders objects
 among objects only, so a rank receives arrays and objects from a peer in the kinds' order of
@@ -48,7 +53,8 @@ from gpucoll.work import Work
 
 ANY_SOURCE = -1  # recv_object/irecv_object: a message from any rank
 ANY_TAG = -1  # recv_object/irecv_object: a message with any tag
-_POLL_S = (20e-6, 1e-3)  # first and longest pause between looks at the counters
+_POLL_S = (20e-6, 1e-3)  # first and longest pause between looks at the markers
+_BLOCK = 64  # markers deleted together
 _CHECK_S = 0.5  # how often a waiting receive asks whether its senders are still there
 STORE_PART_BYTES = 64 << 20  # the largest value a message left in the store is cut into
 
@@ -103,7 +109,7 @@ class Mailbox:
         self.comm = comm
         self.rank, self.size, self.store = comm.rank, comm.size, comm._store
         self.taken = [0] * self.size  # messages read off the channel from each peer
-        self.deposited = [0] * self.size  # messages left in the store for each peer
+        self.sent = [0] * self.size  # messages marked in the store for each peer
         self.kept: list[Message] = []  # read, not yet received, in the order they came
         self.posted: list[Receive] = []
         self.turn = 0  # where an any-source look starts, so that no sender starves
@@ -111,26 +117,41 @@ class Mailbox:
         # receives on a stream, in order): messages wait in the store instead
         self.stored = not comm._backend.host_control and self.store is not None
 
-    def announce(self, dst: int) -> int:
-        """Count one more message from this rank to ``dst``; its index among them."""
+    def announce(self, dst: int, keys: list[str] | None = None,
+                 values: list[bytes] | None = None) -> None:
+        """Mark one more message from this rank to ``dst`` in the store (after ``keys`` set to
+        ``values``, in the same request): one request that waits for no reply."""
         if self.store is None:
-            return -1
-        return self.store.add(f"objects/{dst}/{self.rank}", 1) - 1
+            return
+        n = self.sent[dst]
+        self.sent[dst] = n + 1
+        self.store.multi_set([*(keys or []), _marker(dst, self.rank, n)],
+                             [*(values or []), b"1"])
 
     def deposit(self, dst: int, arrays: list[np.ndarray]) -> None:
-        """Leave a message for ``dst`` in the store (a backend without host buffering), then
-        count it: a counted message is there whole."""
-        index = self.deposited[dst]
-        self.deposited[dst] += 1
-        parts = [p for a in arrays for p in _cut(a)]
-        base = f"objects/{dst}/{self.rank}/{index}/"
-        for j, part in enumerate(parts):
-            self.store.set(f"{base}{j}", part.tobytes())
-        self.announce(dst)
+        """Leave a message for ``dst`` in the store (a backend without host buffering), marked
+        in the same request as its last part: a marked message is there whole."""
+        base = f"mail/{dst}/{self.rank}/{self.sent[dst]}/"
+        keys, values, size = [], [], 0
+        for j, part in enumerate(p for a in arrays for p in _cut(a)):
+            if keys and size + part.nbytes > STORE_PART_BYTES:
+                self.store.multi_set(keys, values)
+                keys, values, size = [], [], 0
+            keys.append(f"{base}{j}")
+            values.append(part.tobytes())
+            size += part.nbytes
+        self.announce(dst, keys, values)
+
+    def _took(self, src: int) -> None:
+        """One more message read from ``src``; the markers of a block of them all read are
+        deleted together (one request per ``_BLOCK`` messages)."""
+        n = self.taken[src] = self.taken[src] + 1
+        if self.store is not None and n % _BLOCK == 0:
+            self.store.delete_prefix(f"objects/{self.rank}/{src}/{n // _BLOCK - 1}/")
 
     def _withdraw(self, src: int, deadline: float, where: str) -> tuple[np.ndarray, Any, list]:
         """The head, rest and segments of the next message ``src`` deposited for this rank."""
-        base = f"objects/{self.rank}/{src}/{self.taken[src]}/"
+        base = f"mail/{self.rank}/{src}/{self.taken[src]}/"
         left = lambda: max(deadline - time.monotonic(), 1e-3)  # noqa: E731
         head = np.frombuffer(self.store.get(f"{base}0", timeout=left()), np.int64).copy()
         check_head(_Where(where), head, src)
@@ -164,12 +185,12 @@ class Mailbox:
         receive that wants it, or keep it."""
         if self.stored:
             head, _, segs = self._withdraw(src, deadline, where)
-            self.taken[src] += 1
+            self._took(src)
         else:
             w = self.comm._wire(max(deadline - time.monotonic(), 1e-3), _Where(where))
             head = np.zeros(HEAD, np.int64)
             w.recv(head, src)
-            self.taken[src] += 1
+            self._took(src)
             check_head(_Where(where), head, src)
             rest = None
             if needs_rest(head):
@@ -188,7 +209,7 @@ class Mailbox:
         self.kept.append(m)
 
     def look(self, r: Receive) -> bool:
-        """Read every message already counted from ``r``'s sources, until ``r`` is matched;
+        """Read the next marked message of each of ``r``'s sources, until ``r`` is matched;
         never waits for a message not yet sent. True if any was read."""
         if self.store is None:
             raise UsageError(f"{r.where}: this communicator has no store, where senders count "
@@ -198,22 +219,23 @@ class Mailbox:
             peers = [r.src]
         else:  # start after the last one served
             peers = peers[self.turn:] + peers[:self.turn]
-        counts = self.store.peek([f"objects/{self.rank}/{p}" for p in peers])
+        marks = self.store.peek([_marker(self.rank, p, self.taken[p]) for p in peers])
         read = False
-        for i, (p, count) in enumerate(zip(peers, counts, strict=True)):
-            for _ in range(int(count or 0) - self.taken[p]):
-                self.comm._backend.run_sync(lambda p=p: self.read(p, r.deadline, r.where))
-                read = True
-                if r.message is not None:
-                    if r.src is None:
-                        self.turn = (self.turn + i + 1) % len(peers)
-                    return True
+        for i, (p, mark) in enumerate(zip(peers, marks, strict=True)):
+            if mark is None:
+                continue
+            self.comm._backend.run_sync(lambda p=p: self.read(p, r.deadline, r.where))
+            read = True
+            if r.message is not None:
+                if r.src is None:
+                    self.turn = (self.turn + i + 1) % len(peers)
+                return True
         return read
 
     def settle(self, r: Receive, until: float, direct: bool) -> bool:
         """Match ``r`` by ``until`` (at most its deadline); False if not matched by then.
         ``direct``: read a named source's channel directly, waiting on it (a blocking call);
-        otherwise only messages the senders counted are read."""
+        otherwise only messages the senders marked are read."""
         if r.message is not None:
             return True
         if direct and r.src is not None and not self.stored:
@@ -260,7 +282,7 @@ class ObjectReceive(Work):
         self._label = r.where
 
     def is_completed(self) -> bool:
-        """Never waits for a message not yet sent: reads those the senders counted."""
+        """Never waits for a message not yet sent: reads those the senders marked."""
         if not self._done and self._error is None and self._comm._entry.acquire(blocking=False):
             try:
                 self._progress(time.monotonic(), False)
@@ -453,6 +475,11 @@ class AllOf(Work):
             if not w._wait(left):
                 return False
         return True
+
+
+def _marker(dst: int, src: int, n: int) -> str:
+    """The store key that says message ``n`` from ``src`` to ``dst`` was sent."""
+    return f"objects/{dst}/{src}/{n // _BLOCK}/{n % _BLOCK}"
 
 
 def _cut(a: np.ndarray) -> list[np.ndarray]:
