@@ -160,11 +160,17 @@ class Mailbox:
             rest = np.frombuffer(self.store.get(f"{base}1", timeout=left()), np.int64).copy()
             j = 2
         segs = [np.empty(k, np.uint8) for k in lengths(head, rest)]
-        keys = [f"{base}{j + i}" for i in range(sum(len(_cut(s)) for s in segs))]
-        values = iter(self.store.multi_get(keys, timeout=left()) if keys else [])
-        for seg in segs:
-            for part in _cut(seg):
-                part[:] = np.frombuffer(next(values), np.uint8)
+        parts = [part for seg in segs for piece in pieces(seg) for part in _cut(piece)]
+        batch: list[tuple[str, np.ndarray]] = []  # fetched together, at most a part's size
+        for i, part in enumerate(parts + [None]):
+            if batch and (part is None or sum(p.nbytes for _, p in batch) + part.nbytes >
+                          STORE_PART_BYTES):
+                values = self.store.multi_get([k for k, _ in batch], timeout=left())
+                for (_, dst), value in zip(batch, values, strict=True):
+                    dst[:] = np.frombuffer(value, np.uint8)
+                batch = []
+            if part is not None:
+                batch.append((f"{base}{j + i}", part))  # as the sender cut them
         self.store.delete_prefix(base)
         return head, rest, segs
 

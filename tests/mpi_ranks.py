@@ -124,6 +124,28 @@ def isend_object_result_and_order(rank: int, n: int, addr: str, backend: str) ->
         return []
 
 
+def objects_in_small_pieces(rank: int, n: int, addr: str, backend: str) -> list:
+    """Messages cut into many pieces (on the ring's links) or parts (in the store, on NCCL),
+    with the limits made small: they arrive whole, in order, tags still matched."""
+    from gpucoll import messages, objects
+
+    objects.MESSAGE_BYTES, messages.STORE_PART_BYTES = 4096, 3000
+    with world(rank, n, addr, backend) as comm:
+        if rank == 0:
+            works = [comm.isend_object({"i": i, "a": big(i, 50_000)}, 1, tag=i % 2)
+                     for i in range(3)]
+            comm.send_object(b"x" * 20_000, 1, tag=5)
+            for w in works:
+                w.wait()
+            return []
+        got = [comm.recv_object(0, tag=5)[-3:]]
+        for tag in (1, 0, 0):
+            obj = comm.recv_object(0, tag=tag)
+            assert np.array_equal(obj["a"], big(obj["i"], 50_000))
+            got.append(obj["i"])
+        return got
+
+
 # -- any source ---------------------------------------------------------------------------------
 
 def any_source_with_status(rank: int, n: int, addr: str, backend: str) -> list:

@@ -56,6 +56,11 @@ def test_isend_objects_arrive_in_order_and_results_are_the_objects(store_addr, b
     assert sends == [None] * 5 and receives == list(range(5))
 
 
+@pytest.mark.parametrize("backend", BACKENDS)
+def test_objects_in_many_pieces_arrive_whole(store_addr, backend):
+    assert _run(ranks.objects_in_small_pieces, 2, store_addr, backend)[1] == [b"xxx", 1, 0, 2]
+
+
 # -- any source ----------------------------------------------------------------------------------
 
 @pytest.mark.parametrize("backend", BACKENDS)
