@@ -407,7 +407,7 @@ class MessageCalls:
         """The first object rank ``src`` sent with ``tag`` (``ANY_SOURCE``, ``ANY_TAG``: any);
         ``status``, a ``gpucoll.Status``, is set to its sender and tag."""
         c = self._call("recv_object")
-        r = self._receive(c, src, tag, timeout)
+        r = self._receive(c, src, tag, timeout, status)
         box = self._boxes()
         box.post(r)
         got: list = []
@@ -432,7 +432,7 @@ class MessageCalls:
         whose ``wait()``/``result()`` give the object (mpi4py's ``irecv``); ``status`` is set
         when it completes. ``timeout`` bounds the receive from now."""
         c = self._call("irecv_object")
-        r = self._receive(c, src, tag, timeout)
+        r = self._receive(c, src, tag, timeout, status)
         box = self._boxes()
         box.post(r)
         return ObjectReceive(self, box, r, status)
@@ -444,8 +444,12 @@ class MessageCalls:
             self._mailbox = Mailbox(self)
         return self._mailbox
 
-    def _receive(self, c: Call, src: Any, tag: Any, timeout: float | None) -> Receive:
+    def _receive(self, c: Call, src: Any, tag: Any, timeout: float | None,
+                 status: Any) -> Receive:
         """A receive from ``src`` with ``tag``, checked (nothing is read yet)."""
+        if status is not None and not isinstance(status, Status):
+            raise c.fail(TypeError, f"status must be a gpucoll.Status or None, got "
+                                    f"{type(status).__name__}")
         if isinstance(src, (int, np.integer)) and not isinstance(src, bool) and src == ANY_SOURCE:
             src = None
         else:

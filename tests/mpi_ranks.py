@@ -241,6 +241,7 @@ def bad_object_arguments(rank: int, n: int, addr: str, backend: str) -> list:
             out.append(outcome(lambda: comm.irecv_object(1, tag=None)))
             out.append(outcome(lambda: comm.send_object(threading.Lock(), 1)))
             out.append(outcome(lambda: comm.isend_object(lambda: 0, 1, tag=2)))
+            out.append(outcome(lambda: comm.irecv_object(1, status={})))
             comm.send_object("good", 1)
         elif rank == 1:
             out.append(outcome(lambda: comm.recv_object(0)))

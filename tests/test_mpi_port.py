@@ -133,6 +133,7 @@ def test_bad_object_arguments_raise_before_anything_is_sent(store_addr, backend)
     # unpicklable: the sender's own error, noted; the receive that matches it is told
     assert "obj could not be pickled" in texts[9] and "send_object on rank 0" in texts[9]
     assert "obj could not be pickled" in texts[10] and "isend_object on rank 0" in texts[10]
+    assert texts[11].startswith("irecv_object on rank 0 of 2: status must be a gpucoll.Status")
     assert receiver[0][0] == "PicklingError" and "rank 0: TypeError" in receiver[0][1]
     assert receiver[1][0] == "PicklingError"  # the isend's, with tag 2
     assert receiver[2] == ("ok", "'good'")
