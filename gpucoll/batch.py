@@ -92,6 +92,7 @@ class Batch:
         self._comm, self._timeout, self._stream = comm, timeout, stream
         self.thread = threading.get_ident()
         self.ops: list[tuple[bool, Any, int, Any]] = []  # (sending, ref, peer, check)
+        self.tags: list[int] = []
         self.works: list[BatchedWork] = []
 
     def __enter__(self) -> Batch:
@@ -170,10 +171,12 @@ class PointToPointCalls:
         if batch is None:
             batch = Batch(self, timeout, stream)
             batch.ops.append((sending, ref, peer, check))
+            batch.tags.append(tag)
             batch.works.append(BatchedWork(c.where))
             self._post_batch(batch, t, stream)
             return batch.works[0]
         batch.ops.append((sending, ref, peer, check))
+        batch.tags.append(tag)
         work = BatchedWork(c.where)
         batch.works.append(work)
         return work
@@ -211,7 +214,8 @@ class PointToPointCalls:
         for check in checks:
             check(timeout)
         posted = self._backend.batch_p2p([(s, ref, peer) for s, ref, peer, _ in batch.ops],
-                                         timeout=timeout, stream=stream)
+                                         timeout=timeout, stream=stream,
+                                         **({"tags": batch.tags} if any(batch.tags) else {}))
         for (sending, ref, _, _), work, handle in zip(batch.ops, batch.works, posted,
                                                       strict=True):
             handle.bind(None if sending else ref.array, work._label)

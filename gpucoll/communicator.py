@@ -57,7 +57,7 @@ from gpucoll.arrays import (
     new_array,
     write_back,
 )
-from gpucoll.backends import Backend
+from gpucoll.backends import Backend, tagged
 from gpucoll.batch import FusedCalls, PointToPointCalls
 from gpucoll.dumps import Flight
 from gpucoll.errors import (
@@ -512,10 +512,11 @@ class Communicator(OutOfPlaceCalls, UnevenCalls, ObjectCalls, MessageCalls, Poin
         t = c.timeout(timeout, self.timeout)
         check = self._pair_signature(c, ref, dst, sending=True, tag=tag)
         b = self._backend
+        kw = tagged(tag)
         if async_op and check is None:
             self._recorder.posted()  # its end is the Work's, which the recorder does not see
-            return b.isend(ref, dst, timeout=t, stream=stream).bind(None, c.where)
-        return self._issue(c, None, lambda: b.send(ref, dst, timeout=t, stream=stream),
+            return b.isend(ref, dst, timeout=t, stream=stream, **kw).bind(None, c.where)
+        return self._issue(c, None, lambda: b.send(ref, dst, timeout=t, stream=stream, **kw),
                            None, async_op, stream, check=check, timeout=t)
 
     @_entry
@@ -531,10 +532,11 @@ class Communicator(OutOfPlaceCalls, UnevenCalls, ObjectCalls, MessageCalls, Poin
         t = c.timeout(timeout, self.timeout)
         check = self._pair_signature(c, ref, src, sending=False, tag=tag)
         b = self._backend
+        kw = tagged(tag)
         if async_op and check is None and ref.array is x:
             self._recorder.posted()  # its end is the Work's, which the recorder does not see
-            return b.irecv(ref, src, timeout=t, stream=stream).bind(x, c.where)
-        return self._issue(c, None, lambda: b.recv(ref, src, timeout=t, stream=stream),
+            return b.irecv(ref, src, timeout=t, stream=stream, **kw).bind(x, c.where)
+        return self._issue(c, None, lambda: b.recv(ref, src, timeout=t, stream=stream, **kw),
                            x, async_op, stream, ref, x, check=check, timeout=t)
 
     @_entry

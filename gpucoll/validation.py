@@ -120,11 +120,14 @@ class Call:
         return value
 
     def tag(self, value: Any, *, receiving: bool = False) -> int:
-        """A message tag: an int >= 0 (a receive of an object may also pass ANY_TAG, -1)."""
+        """A message tag: an int in [0, 2**31) (a receive of an object may also pass ANY_TAG,
+        -1); frame headers carry it in 32 bits."""
         tag = self.integer(value, "tag", expected="an int >= 0")
         if tag < 0 and not (receiving and tag == -1):
             raise self.fail(ValueError, f"tag={tag} is negative; expected an int >= 0"
                                         + (" or gpucoll.ANY_TAG" if receiving else ""))
+        if tag >= 1 << 31:
+            raise self.fail(ValueError, f"tag={tag} is too large; tags are below 2**31")
         return tag
 
     def timeout(self, value: Any, default: float) -> float:
