@@ -214,3 +214,16 @@ def test_bad_reduce_ops_raise_before_anything_is_sent(store_addr, backend):
         assert out[4][0] == "ZeroDivisionError" and "combining rank 1's object" in out[4][1]
         assert out[5][0] == ("TypeError" if rank else "PicklingError")
         assert out[6] == ("ok", "1")
+
+
+def test_module_level_functions_act_on_the_default_communicator():
+    import gpucoll
+
+    with gpucoll.init("ring", rank=0, world_size=1, timeout=10):
+        assert gpucoll.all_reduce_object([1], op=lambda a, b: a + b) == [1]
+        assert gpucoll.reduce_object(3, 0, "max") == 3
+        with pytest.raises(ValueError, match="isend_object on rank 0 of 1: dst=0 is this rank"):
+            gpucoll.isend_object("x", 0)
+        with pytest.raises(gpucoll.CollectiveTimeout, match="no object from any rank"):
+            gpucoll.irecv_object(tag=1, timeout=0.2).wait()
+        assert gpucoll.Status().Get_source() == -1 and gpucoll.ANY_SOURCE == gpucoll.ANY_TAG == -1
