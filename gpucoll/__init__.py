@@ -67,6 +67,13 @@ _EXPORTS = {
     "scatter_object": "gpucoll.default",
     "send_object": "gpucoll.default",
     "recv_object": "gpucoll.default",
+    "isend_object": "gpucoll.default",
+    "irecv_object": "gpucoll.default",
+    "all_reduce_object": "gpucoll.default",
+    "reduce_object": "gpucoll.default",
+    "ANY_SOURCE": "gpucoll.messages",
+    "ANY_TAG": "gpucoll.messages",
+    "Status": "gpucoll.messages",
     "new_group": "gpucoll.default",
     "monitored_barrier": "gpucoll.default",
 }

@@ -41,16 +41,16 @@ _KINDS = ("isend", "irecv")
 class P2POp:
     """One send or receive for ``batch_isend_irecv``, as in torch.distributed: ``op`` is
     ``isend`` or ``irecv`` (gpucoll's functions, a communicator's methods, or their names),
-    ``array`` the buffer and ``peer`` the other rank."""
+    ``array`` the buffer, ``peer`` the other rank and ``tag`` the message's tag."""
 
-    __slots__ = ("op", "array", "peer")
+    __slots__ = ("op", "array", "peer", "tag")
 
-    def __init__(self, op: Any, array: Any, peer: int):
+    def __init__(self, op: Any, array: Any, peer: int, *, tag: int = 0):
         name = op if isinstance(op, str) else getattr(op, "__name__", None)
         if name not in _KINDS:
             raise TypeError(f"P2POp: op must be isend or irecv (gpucoll.isend, comm.irecv, or "
                             f"'isend'/'irecv'), got {op!r}")
-        self.op, self.array, self.peer = name, array, peer
+        self.op, self.array, self.peer, self.tag = name, array, peer, tag
 
     def __repr__(self) -> str:
         return f"P2POp({self.op}, {type(self.array).__name__}, peer={self.peer})"
@@ -92,6 +92,7 @@ class Batch:
         self._comm, self._timeout, self._stream = comm, timeout, stream
         self.thread = threading.get_ident()
         self.ops: list[tuple[bool, Any, int, Any]] = []  # (sending, ref, peer, check)
+        self.tags: list[int] = []
         self.works: list[BatchedWork] = []
 
     def __enter__(self) -> Batch:
@@ -114,18 +115,18 @@ class PointToPointCalls:
     _batch: Batch | None = None
 
     @entry
-    def isend(self, x: Any, dst: int, *, timeout: float | None = None,
+    def isend(self, x: Any, dst: int, *, tag: int = 0, timeout: float | None = None,
               stream: Any = None) -> Work:
         """Start sending ``x`` to ``dst`` and return its Work (``send(..., async_op=True)``);
         inside ``with comm.batch():`` it is posted when the batch ends."""
-        return self._p2p("isend", x, dst, True, timeout, stream)
+        return self._p2p("isend", x, dst, True, timeout, stream, tag)
 
     @entry
-    def irecv(self, x: Any, src: int, *, timeout: float | None = None,
+    def irecv(self, x: Any, src: int, *, tag: int = 0, timeout: float | None = None,
               stream: Any = None) -> Work:
         """Start receiving into ``x`` (C-contiguous) from ``src``; ``wait()`` returns ``x``.
         Inside ``with comm.batch():`` it is posted when the batch ends."""
-        return self._p2p("irecv", x, src, False, timeout, stream)
+        return self._p2p("irecv", x, src, False, timeout, stream, tag)
 
     def batch(self, *, timeout: float | None = None, stream: Any = None) -> Batch:
         """A context in which ``isend``/``irecv`` are collected, then posted together when it
@@ -145,7 +146,7 @@ class PointToPointCalls:
         self._open_batch(batch)
         try:
             for op in ops:
-                self._p2p(op.op, op.array, op.peer, op.op == "isend", timeout, stream)
+                self._p2p(op.op, op.array, op.peer, op.op == "isend", timeout, stream, op.tag)
         except BaseException:
             self._close_batch(batch, post=False)
             raise
@@ -155,7 +156,7 @@ class PointToPointCalls:
     # -- plumbing ------------------------------------------------------------------------------
 
     def _p2p(self, name: str, x: Any, peer: int, sending: bool, timeout: float | None,
-             stream: Any) -> Work:
+             stream: Any, tag: Any = 0) -> Work:
         c = self._call(name)
         batch = self._batch
         if batch is not None and batch.thread != threading.get_ident():
@@ -163,16 +164,19 @@ class PointToPointCalls:
                                      "a communicator serves one thread at a time")
         ref = c.array(x, "x", writable=not sending, copy=sending)
         peer = c.peer(peer, "dst" if sending else "src")
+        tag = c.tag(tag)
         t = c.timeout(timeout, self.timeout if batch is None or batch._timeout is None
                       else batch._timeout)
-        check = self._pair_signature(c, ref, peer, sending)
+        check = self._pair_signature(c, ref, peer, sending, tag)
         if batch is None:
             batch = Batch(self, timeout, stream)
             batch.ops.append((sending, ref, peer, check))
+            batch.tags.append(tag)
             batch.works.append(BatchedWork(c.where))
             self._post_batch(batch, t, stream)
             return batch.works[0]
         batch.ops.append((sending, ref, peer, check))
+        batch.tags.append(tag)
         work = BatchedWork(c.where)
         batch.works.append(work)
         return work
@@ -210,7 +214,8 @@ class PointToPointCalls:
         for check in checks:
             check(timeout)
         posted = self._backend.batch_p2p([(s, ref, peer) for s, ref, peer, _ in batch.ops],
-                                         timeout=timeout, stream=stream)
+                                         timeout=timeout, stream=stream,
+                                         **({"tags": batch.tags} if any(batch.tags) else {}))
         for (sending, ref, _, _), work, handle in zip(batch.ops, batch.works, posted,
                                                       strict=True):
             handle.bind(None if sending else ref.array, work._label)

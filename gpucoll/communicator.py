@@ -57,7 +57,7 @@ from gpucoll.arrays import (
     new_array,
     write_back,
 )
-from gpucoll.backends import Backend
+from gpucoll.backends import Backend, tagged
 from gpucoll.batch import FusedCalls, PointToPointCalls
 from gpucoll.dumps import Flight
 from gpucoll.errors import (
@@ -68,6 +68,7 @@ from gpucoll.errors import (
     StoreError,
     UsageError,
 )
+from gpucoll.messages import MessageCalls
 from gpucoll.objects import ObjectCalls
 from gpucoll.progress import KIND, NO_CALL, Recorder, clock, ranks_text, size_from_env, stream_id
 from gpucoll.store import Liveness, agree_survivors, leave_group, share, wait_for_ranks
@@ -251,8 +252,8 @@ def _members(c: Call, ranks: Any, size: int) -> list[int]:
     return sorted(out)
 
 
-class Communicator(OutOfPlaceCalls, UnevenCalls, ObjectCalls, PointToPointCalls, FusedCalls,
-                   GroupCalls):
+class Communicator(OutOfPlaceCalls, UnevenCalls, ObjectCalls, MessageCalls, PointToPointCalls,
+                   FusedCalls, GroupCalls):
     """A group of ``size`` ranks; this process is ``rank``; ``backend`` names the engine.
 
     Every method is collective (all ranks of the group call it, in the same order) except
@@ -495,42 +496,47 @@ class Communicator(OutOfPlaceCalls, UnevenCalls, ObjectCalls, PointToPointCalls,
     # -- point to point and barrier ---------------------------------------------------------
 
     @_entry
-    def send(self, x: Any, dst: int, *, async_op: bool = False, timeout: float | None = None,
-             stream: Any = None) -> Work | None:
+    def send(self, x: Any, dst: int, *, tag: int = 0, async_op: bool = False,
+             timeout: float | None = None, stream: Any = None) -> Work | None:
         """Send ``x`` to rank ``dst``, which calls ``recv`` with the same dtype and size.
 
         With ``async_op=True`` the send progresses alongside later sends and receives (a
         blocking ``recv`` completes while it is pending). Messages between two ranks arrive in
-        the order they were sent.
+        the order they were sent, whatever their ``tag`` (an int >= 0): arrays pair in order,
+        and the receive names the same tag (checked under GPUCOLL_DEBUG=1).
         """
         c = self._call("send")
         ref = c.array(x, "x")
         dst = c.peer(dst, "dst")
+        tag = c.tag(tag)
         t = c.timeout(timeout, self.timeout)
-        check = self._pair_signature(c, ref, dst, sending=True)
+        check = self._pair_signature(c, ref, dst, sending=True, tag=tag)
         b = self._backend
+        kw = tagged(tag)
         if async_op and check is None:
             self._recorder.posted()  # its end is the Work's, which the recorder does not see
-            return b.isend(ref, dst, timeout=t, stream=stream).bind(None, c.where)
-        return self._issue(c, None, lambda: b.send(ref, dst, timeout=t, stream=stream),
+            return b.isend(ref, dst, timeout=t, stream=stream, **kw).bind(None, c.where)
+        return self._issue(c, None, lambda: b.send(ref, dst, timeout=t, stream=stream, **kw),
                            None, async_op, stream, check=check, timeout=t)
 
     @_entry
-    def recv(self, x: Any, src: int, *, async_op: bool = False, timeout: float | None = None,
-             stream: Any = None) -> Any:
+    def recv(self, x: Any, src: int, *, tag: int = 0, async_op: bool = False,
+             timeout: float | None = None, stream: Any = None) -> Any:
         """Receive into ``x`` what rank ``src`` sends; returns ``x``.
 
         ``async_op=True`` posts the receive and returns its Work at once (see ``send``)."""
         c = self._call("recv")
         ref = c.array(x, "x", writable=True)
         src = c.peer(src, "src")
+        tag = c.tag(tag)
         t = c.timeout(timeout, self.timeout)
-        check = self._pair_signature(c, ref, src, sending=False)
+        check = self._pair_signature(c, ref, src, sending=False, tag=tag)
         b = self._backend
+        kw = tagged(tag)
         if async_op and check is None and ref.array is x:
             self._recorder.posted()  # its end is the Work's, which the recorder does not see
-            return b.irecv(ref, src, timeout=t, stream=stream).bind(x, c.where)
-        return self._issue(c, None, lambda: b.recv(ref, src, timeout=t, stream=stream),
+            return b.irecv(ref, src, timeout=t, stream=stream, **kw).bind(x, c.where)
+        return self._issue(c, None, lambda: b.recv(ref, src, timeout=t, stream=stream, **kw),
                            x, async_op, stream, ref, x, check=check, timeout=t)
 
     @_entry
@@ -924,13 +930,13 @@ class Communicator(OutOfPlaceCalls, UnevenCalls, ObjectCalls, PointToPointCalls,
         self._in_store(lambda: self._check.collective(seq, sig, t, c.name))
         return seq
 
-    def _pair_signature(self, c: Call, ref: ArrayRef, peer: int,
-                        sending: bool) -> Callable[[float], None] | None:
+    def _pair_signature(self, c: Call, ref: ArrayRef, peer: int, sending: bool,
+                        tag: int = 0) -> Callable[[float], None] | None:
         self._recorder.point_to_point(KIND.get(c.name, 0), ref, peer)
         if self._check is None:
             return None
         sig = {"call": c.name, "dtype": ref.dtype.name, "shape": list(ref.shape),
-               "count": ref.count, "peer": peer}
+               "count": ref.count, "peer": peer, "tag": tag}
         verify = self._check.point_to_point(peer, sending, sig, c.name)
         return lambda timeout: self._in_store(lambda: verify(timeout))
 

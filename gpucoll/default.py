@@ -10,6 +10,7 @@ from gpucoll import rendezvous
 from gpucoll.backends import create_backend, requested_name
 from gpucoll.communicator import Communicator
 from gpucoll.errors import CollectiveTimeout
+from gpucoll.messages import ANY_SOURCE
 from gpucoll.progress import size_from_env
 from gpucoll.transport.mesh import check_environment
 from gpucoll.validation import check_timeout
@@ -355,9 +356,29 @@ def send_object(obj: Any, dst: int, **kwargs: Any) -> None:
     get_default().send_object(obj, dst, **kwargs)
 
 
-def recv_object(src: int, **kwargs: Any) -> Any:
+def recv_object(src: int = ANY_SOURCE, **kwargs: Any) -> Any:
     """``Communicator.recv_object`` on the default communicator."""
     return get_default().recv_object(src, **kwargs)
+
+
+def isend_object(obj: Any, dst: int, **kwargs: Any) -> Work:
+    """``Communicator.isend_object`` on the default communicator."""
+    return get_default().isend_object(obj, dst, **kwargs)
+
+
+def irecv_object(src: int = ANY_SOURCE, **kwargs: Any) -> Work:
+    """``Communicator.irecv_object`` on the default communicator."""
+    return get_default().irecv_object(src, **kwargs)
+
+
+def all_reduce_object(obj: Any, op: Any = "sum", **kwargs: Any) -> Any:
+    """``Communicator.all_reduce_object`` on the default communicator."""
+    return get_default().all_reduce_object(obj, op, **kwargs)
+
+
+def reduce_object(obj: Any, root: int = 0, op: Any = "sum", **kwargs: Any) -> Any:
+    """``Communicator.reduce_object`` on the default communicator."""
+    return get_default().reduce_object(obj, root, op, **kwargs)
 
 
 def new_group(ranks: Any, **kwargs: Any) -> Communicator | None:

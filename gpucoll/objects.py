@@ -1,5 +1,6 @@
 """Collectives of picklable Python objects: broadcast_object, all_gather_object, gather_object,
-scatter_object, send_object and recv_object.
+scatter_object, all_reduce_object and reduce_object; the same packing carries the point-to-point
+messages of ``gpucoll.messages``.
 
 An object travels as pickle protocol 5: the pickle stream, plus every buffer of 256 KiB or more
 that supports out-of-band pickling (NumPy arrays, and CuPy arrays through the host arrays CuPy
@@ -16,9 +17,10 @@ An object that does not pickle fails on every rank (its own error on the rank th
 
 from __future__ import annotations
 
+import operator
 import pickle
 import time
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from typing import Any
 
 import numpy as np
@@ -26,13 +28,14 @@ import numpy as np
 from gpucoll import cuda
 from gpucoll.arrays import as_ref
 from gpucoll.errors import CollectiveMismatch, CollectiveTimeout
+from gpucoll.ops import ReduceOp, parse_op
 from gpucoll.validation import Call, entry
 
 OUT_OF_BAND_BYTES = 256 << 10  # smaller buffers are copied into the pickle stream: cheaper
 MESSAGE_BYTES = 1 << 30  # the largest message; bigger buffers travel in pieces
 MAGIC = 0x314A424F  # "OBJ1"
-HEAD = 8  # int64: magic, segments (-1: pickling failed), then up to 6 segment lengths
-_INLINE = HEAD - 2
+HEAD = 8  # int64: magic, segments (-1: pickling failed), tag, then up to 5 segment lengths
+_INLINE = HEAD - 3
 
 
 class Packed:
@@ -64,9 +67,9 @@ class Packed:
         return cls([np.frombuffer(data, np.uint8)] +
                    [np.frombuffer(b, np.uint8) for b in buffers])
 
-    def head(self) -> np.ndarray:
+    def head(self, tag: int = 0) -> np.ndarray:
         return make_head(-1 if self.failed else len(self.segments),
-                         [s.size for s in self.segments])
+                         [s.size for s in self.segments], tag)
 
     def rest(self) -> np.ndarray:
         """The segment lengths that do not fit in the head."""
@@ -78,11 +81,13 @@ class Packed:
         return Packed([self.segments[0]] + [s.copy() for s in self.segments[1:]], self.failed)
 
 
-def make_head(count: int, lengths: Sequence[int]) -> np.ndarray:
+def make_head(count: int, lengths: Sequence[int], tag: int = 0) -> np.ndarray:
+    """A head of ``count`` segments (-1: a pickling failure) of these lengths; point-to-point
+    messages carry their ``tag`` (0 in collectives)."""
     head = np.zeros(HEAD, np.int64)
-    head[0], head[1] = MAGIC, count
+    head[0], head[1], head[2] = MAGIC, count, tag
     inline = list(lengths[:_INLINE])
-    head[2:2 + len(inline)] = inline
+    head[3:3 + len(inline)] = inline
     return head
 
 
@@ -98,7 +103,7 @@ def needs_rest(head: np.ndarray) -> int:
 
 def lengths(head: np.ndarray, rest: np.ndarray | None) -> list[int]:
     count = segments_of(head)
-    inline = [int(v) for v in head[2:2 + min(count, _INLINE)]]
+    inline = [int(v) for v in head[3:3 + min(count, _INLINE)]]
     return inline + ([] if rest is None else [int(v) for v in rest])
 
 
@@ -322,53 +327,40 @@ class ObjectCalls:
         return self._deferred(c, seq, run, False, None)
 
     @entry
-    def send_object(self, obj: Any, dst: int, *, timeout: float | None = None) -> None:
-        """Send ``obj`` to rank ``dst``, which calls ``recv_object``."""
-        c = self._call("send_object")
-        dst = c.peer(dst, "dst")
+    def all_reduce_object(self, obj: Any, op: Any = "sum", *,
+                          timeout: float | None = None) -> Any:
+        """Every rank's ``obj`` combined with ``op``, the same result on every rank (mpi4py's
+        ``comm.allreduce(obj, op)``). ``op``: "sum" (``+``), "prod" (``*``), "min", "max" (the
+        builtins), a ``gpucoll.ReduceOp`` of those, or a function of two objects. The objects
+        are folded in rank order, ``op(op(obj0, obj1), obj2)...``, on every rank alike (so a
+        non-commutative op such as list ``+`` gives rank order); each rank receives every
+        object to do so."""
+        c = self._call("all_reduce_object")
+        fold = object_op(c, op)
         t = c.timeout(timeout, self.timeout)
-
-        def run() -> None:
-            w = self._wire(t, c)
-            packed = Packed.of(obj)
-            w.send(packed.head(), dst)
-            if needs_rest(packed.head()):
-                w.send(packed.rest(), dst)
-            for seg in packed.segments:
-                for piece in pieces(seg):
-                    w.send(piece, dst)
-            if packed.failed is not None:
-                raise packed.failed
-
-        self._issue(c, None, run, None, False, None)
-
-    @entry
-    def recv_object(self, src: int, *, timeout: float | None = None) -> Any:
-        """The object rank ``src`` sends with ``send_object``."""
-        c = self._call("recv_object")
-        src = c.peer(src, "src")
-        t = c.timeout(timeout, self.timeout)
+        seq = self._signature(c, t, None)
 
         def run(box: list) -> None:
-            w = self._wire(t, c)
-            head = np.zeros(HEAD, np.int64)
-            w.recv(head, src)
-            check_head(c, head, src)
-            rest = None
-            if needs_rest(head):
-                rest = np.zeros(needs_rest(head), np.int64)
-                w.recv(rest, src)
-            segs = [np.empty(k, np.uint8) for k in lengths(head, rest)]
-            for seg in segs:
-                for piece in pieces(seg):
-                    w.recv(piece, src)
-            if head[1] < 0:
-                _raise_failed(c, None, {src: segs[0]})
-            box.append(unpack(c, segs, src))
+            box.append(_fold(c, fold, self._gather_objects(c, obj, None, t)))
 
-        box: list = []
-        self._issue(c, None, lambda: run(box), None, False, None)
-        return box[0]
+        return self._deferred(c, seq, run, False, None)
+
+    @entry
+    def reduce_object(self, obj: Any, root: int = 0, op: Any = "sum", *,
+                      timeout: float | None = None) -> Any:
+        """Every rank's ``obj`` combined with ``op`` on root, as ``all_reduce_object`` folds
+        them; None on the other ranks (mpi4py's ``comm.reduce(obj, op, root)``)."""
+        c = self._call("reduce_object")
+        root = c.rank_arg(root, "root")
+        fold = object_op(c, op)
+        t = c.timeout(timeout, self.timeout)
+        seq = self._signature(c, t, None, root=root)
+
+        def run(box: list) -> None:
+            objs = self._gather_objects(c, obj, root, t)
+            box.append(None if objs is None else _fold(c, fold, objs))
+
+        return self._deferred(c, seq, run, False, None)
 
     # -- plumbing ------------------------------------------------------------------------------
 
@@ -387,7 +379,7 @@ class ObjectCalls:
             check_head(c, heads[r], r)
         failed = [r for r in range(n) if heads[r][1] < 0]
         if failed:  # the failed ranks' error texts go to every rank
-            texts = {r: np.empty(int(heads[r][2]), np.uint8) for r in failed}
+            texts = {r: np.empty(lengths(heads[r], None)[0], np.uint8) for r in failed}
             sends = [(p, packed.segments[0]) for p in range(n) if me in failed and p != me]
             w.exchange(sends, [(r, a) for r, a in texts.items() if r != me])
             _raise_failed(c, packed if packed.failed else None, texts)
@@ -417,6 +409,42 @@ def _raise_failed(c: Call, own: Packed | None, texts: dict[int, np.ndarray]) -> 
                        for r, t in sorted(texts.items()))
     raise pickle.PicklingError(f"{c.where}: an object could not be pickled, so nothing was "
                                f"sent ({detail})")
+
+
+_OBJECT_OPS: dict[ReduceOp, Callable[[Any, Any], Any]] = {
+    ReduceOp.SUM: operator.add, ReduceOp.PROD: operator.mul, ReduceOp.MIN: min,
+    ReduceOp.MAX: max}
+
+
+def object_op(c: Call, op: Any) -> Callable[[Any, Any], Any]:
+    """The function of two objects that ``op`` names (or is), checked before anything is sent."""
+    if callable(op) and not isinstance(op, (str, ReduceOp)):
+        return op
+    if not isinstance(op, (str, ReduceOp)):
+        raise c.fail(TypeError, f"op must be 'sum', 'prod', 'min', 'max', a gpucoll.ReduceOp or a "
+                                f"function of two objects, got {type(op).__name__}")
+    try:
+        parsed = parse_op(op)
+    except ValueError:
+        parsed = None
+    if parsed not in _OBJECT_OPS:
+        raise c.fail(ValueError, f"op={op!r} does not combine Python objects; expected 'sum', "
+                                 f"'prod', 'min', 'max' (or gpucoll.ReduceOp of them) or a "
+                                 f"function of two objects")
+    return _OBJECT_OPS[parsed]
+
+
+def _fold(c: Call, fold: Callable[[Any, Any], Any], objs: list) -> Any:
+    """``objs`` folded left in rank order."""
+    acc = objs[0]
+    for r in range(1, len(objs)):
+        try:
+            acc = fold(acc, objs[r])
+        except Exception as exc:
+            exc.add_note(f"{c.where}: while combining rank {r}'s object with those of ranks "
+                         f"0..{r - 1}")
+            raise
+    return acc
 
 
 def _what(objs: Any) -> str:

@@ -34,7 +34,7 @@ KINDS = (
     "reduce_scatter", "all_to_all", "barrier", "send", "recv", "split", "scatter header",
     "all_gather_v", "gather_v", "scatter_v", "all_to_all_v", "reduce_scatter_v",
     "all_reduce_many", "broadcast_object", "all_gather_object", "gather_object",
-    "scatter_object", "new_group", "monitored_barrier",
+    "scatter_object", "new_group", "monitored_barrier", "all_reduce_object", "reduce_object",
 )
 KIND = {name: code for code, name in enumerate(KINDS)}
 

@@ -119,6 +119,17 @@ class Call:
             raise self.fail(ValueError, f"{name}={value} is this rank; send/recv need another rank")
         return value
 
+    def tag(self, value: Any, *, receiving: bool = False) -> int:
+        """A message tag: an int in [0, 2**31) (a receive of an object may also pass ANY_TAG,
+        -1); frame headers carry it in 32 bits."""
+        tag = self.integer(value, "tag", expected="an int >= 0")
+        if tag < 0 and not (receiving and tag == -1):
+            raise self.fail(ValueError, f"tag={tag} is negative; expected an int >= 0"
+                                        + (" or gpucoll.ANY_TAG" if receiving else ""))
+        if tag >= 1 << 31:
+            raise self.fail(ValueError, f"tag={tag} is too large; tags are below 2**31")
+        return tag
+
     def timeout(self, value: Any, default: float) -> float:
         if value is None:
             return default
@@ -289,6 +300,12 @@ class SignatureCheck:
             if self.store.add(f"{base}/read", 1) == 2:  # both sides have read: clean up
                 for key in (mine, theirs, f"{base}/read"):
                     self.store.delete_key(key)
+            if other.get("tag", 0) != sig.get("tag", 0):
+                raise CollectiveMismatch(
+                    f"{self._where(name)}: message #{n} from rank {src} to rank {dst} does "
+                    f"not match: rank {self.rank} called {describe(sig)} with tag "
+                    f"{sig.get('tag', 0)}, rank {peer} called {describe(other)} with tag "
+                    f"{other.get('tag', 0)} (arrays pair in order; tags must agree)")
             if other["dtype"] != sig["dtype"] or other["count"] != sig["count"]:
                 raise CollectiveMismatch(
                     f"{self._where(name)}: message #{n} from rank {src} to rank {dst} does "

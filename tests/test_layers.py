@@ -39,6 +39,7 @@ LAYER_OF = {
     "gpucoll.dumps": "communicator",
     "gpucoll.uneven": "communicator",
     "gpucoll.objects": "communicator",
+    "gpucoll.messages": "communicator",
     "gpucoll.batch": "communicator",
     "gpucoll.distributed": "communicator",
     "gpucoll.backends": "backends",

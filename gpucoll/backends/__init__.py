@@ -135,6 +135,8 @@ class Backend(abc.ABC):
     def all_to_all(self, x: ArrayRef, out: ArrayRef, *, timeout: float, stream: Any = None) -> None:
         ...
 
+    # send, recv, isend, irecv and batch_p2p are given ``tag=``/``tags=`` only for tagged
+    # messages (tag > 0), so that a backend without tags still serves untagged ones
     @abc.abstractmethod
     def send(self, x: ArrayRef, dst: int, *, timeout: float, stream: Any = None) -> None:
         ...
@@ -188,22 +190,26 @@ class Backend(abc.ABC):
             self.all_reduce(x, op, timeout=timeout, stream=stream)
 
     def batch_p2p(self, ops: Sequence[tuple[bool, ArrayRef, int]], *, timeout: float,
-                  stream: Any = None) -> list[Work]:
-        """Post sends (``is_send``) and receives together and return a Work for each, in order;
-        by default each through ``isend``/``irecv`` (which must then progress side by side)."""
-        return [self.isend(x, peer, timeout=timeout, stream=stream) if sending else
-                self.irecv(x, peer, timeout=timeout, stream=stream)
-                for sending, x, peer in ops]
+                  stream: Any = None, tags: Sequence[int] | None = None) -> list[Work]:
+        """Post sends (``is_send``) and receives together and return a Work for each, in order
+        (``tags``: each one's tag); by default each through ``isend``/``irecv`` (which must
+        then progress side by side)."""
+        tags = tags or [0] * len(ops)
+        return [self.isend(x, peer, timeout=timeout, stream=stream, **tagged(tag)) if sending
+                else self.irecv(x, peer, timeout=timeout, stream=stream, **tagged(tag))
+                for (sending, x, peer), tag in zip(ops, tags, strict=True)]
 
-    def isend(self, x: ArrayRef, dst: int, *, timeout: float, stream: Any = None) -> Work:
+    def isend(self, x: ArrayRef, dst: int, *, timeout: float, stream: Any = None,
+              **kw: int) -> Work:
         """Start a send; by default one more call in issue order (backends that can let sends
-        and receives progress side by side override this)."""
-        return self.run_async(lambda: self.send(x, dst, timeout=timeout, stream=stream),
+        and receives progress side by side override this). ``kw``: its ``tag``, if any."""
+        return self.run_async(lambda: self.send(x, dst, timeout=timeout, stream=stream, **kw),
                               stream=stream)
 
-    def irecv(self, x: ArrayRef, src: int, *, timeout: float, stream: Any = None) -> Work:
+    def irecv(self, x: ArrayRef, src: int, *, timeout: float, stream: Any = None,
+              **kw: int) -> Work:
         """Start a receive into ``x``; see ``isend``."""
-        return self.run_async(lambda: self.recv(x, src, timeout=timeout, stream=stream),
+        return self.run_async(lambda: self.recv(x, src, timeout=timeout, stream=stream, **kw),
                               stream=stream)
 
     @abc.abstractmethod
@@ -239,6 +245,11 @@ class Backend(abc.ABC):
     @abc.abstractmethod
     def close(self) -> None:
         """Release every socket, segment and thread; idempotent; returns even after abort."""
+
+
+def tagged(tag: int) -> dict[str, int]:
+    """The keyword a message's ``tag`` goes to a backend as: none for an untagged one."""
+    return {"tag": tag} if tag else {}
 
 
 # ---- backends by name, and what backend="auto" picks ---------------------------------------------

@@ -585,27 +585,31 @@ class RingBackend(GroupedRing, Backend):
         link.release(x.nbytes + algos.FRAME.size)
 
     # -- point to point --------------------------------------------------------------------
-    def _message(self, x: ArrayRef, peer: int, sending: bool):
+    def _message(self, x: ArrayRef, peer: int, sending: bool, tag: int):
         """The op carrying this send or receive, with the next message number of its
-        direction (both ends count the messages between them in the same order)."""
+        direction (both ends count the messages between them in the same order) and its tag
+        (where a collective's frame has its root: a receive whose tag is not its message's
+        is a mismatch)."""
         key = (peer, sending)
         n = self._p2p_counts.get(key, 0)
         self._p2p_counts[key] = n + 1
-        hdr = algos.frame(KIND["send"], n, x.dtype, x.count)
+        hdr = algos.frame(KIND["send"], n, x.dtype, x.count, tag or -1)
         link = self._mesh.links[peer]
         return Send(link, x.host, hdr) if sending else Recv(link, x.host, hdr)
 
-    def send(self, x: ArrayRef, dst: int, *, timeout: float, stream: Any = None) -> None:
-        self._p2p(x, dst, True, timeout)
+    def send(self, x: ArrayRef, dst: int, *, timeout: float, stream: Any = None,
+             tag: int = 0) -> None:
+        self._p2p(x, dst, True, timeout, tag)
 
-    def recv(self, x: ArrayRef, src: int, *, timeout: float, stream: Any = None) -> None:
-        self._p2p(x, src, False, timeout)
+    def recv(self, x: ArrayRef, src: int, *, timeout: float, stream: Any = None,
+             tag: int = 0) -> None:
+        self._p2p(x, src, False, timeout, tag)
 
-    def _p2p(self, x: ArrayRef, peer: int, sending: bool, timeout: float) -> None:
+    def _p2p(self, x: ArrayRef, peer: int, sending: bool, timeout: float, tag: int) -> None:
         opname = f"{'send to' if sending else 'recv from'} rank {peer}"
         self._check_peer(peer, "dst" if sending else "src")
         self._check_usable(opname)
-        op = self._message(x, peer, sending)
+        op = self._message(x, peer, sending, tag)
         deadline = time.monotonic() + timeout
         progress = self.progress
         progress.p2p(KIND["send" if sending else "recv"], peer)
@@ -615,20 +619,23 @@ class RingBackend(GroupedRing, Backend):
         finally:
             progress.p2p(0, -1)
 
-    def isend(self, x: ArrayRef, dst: int, *, timeout: float, stream: Any = None) -> FutureWork:
-        return self._post(x, dst, True, timeout)
+    def isend(self, x: ArrayRef, dst: int, *, timeout: float, stream: Any = None,
+              tag: int = 0) -> FutureWork:
+        return self._post(x, dst, True, timeout, tag)
 
-    def irecv(self, x: ArrayRef, src: int, *, timeout: float, stream: Any = None) -> FutureWork:
-        return self._post(x, src, False, timeout)
+    def irecv(self, x: ArrayRef, src: int, *, timeout: float, stream: Any = None,
+              tag: int = 0) -> FutureWork:
+        return self._post(x, src, False, timeout, tag)
 
-    def _post(self, x: ArrayRef, peer: int, sending: bool, timeout: float) -> FutureWork:
+    def _post(self, x: ArrayRef, peer: int, sending: bool, timeout: float,
+              tag: int) -> FutureWork:
         """Post a non-blocking send or receive: in issue order behind earlier messages on its
         link, alongside everything else. Its handle completes when the message has moved."""
         opname = f"{'isend to' if sending else 'irecv from'} rank {peer}"
         self._check_peer(peer, "dst" if sending else "src")
         work = FutureWork()
         self._check_usable(opname)
-        op = self._message(x, peer, sending)
+        op = self._message(x, peer, sending, tag)
         deadline = time.monotonic() + timeout
 
         def done(error: BaseException | None) -> None:

@@ -87,8 +87,8 @@ def describe_frame(data: bytes) -> str:
     parts = [name, f"{count} elements"]
     if op:
         parts.append(f"op={_OPS[op].value}" if op in _OPS else f"op {op}")
-    if root >= 0:
-        parts.append(f"root={root}")
+    if root >= 0:  # a point-to-point message's tag travels where a collective's root does
+        parts.append(f"{'tag' if what in ('send', 'recv') else 'root'}={root}")
     if layout:
         parts.append(f"counts/shape digest {layout:08x}")
     number = f"message #{seq}" if what in ("send", "recv") else f"#{seq}"

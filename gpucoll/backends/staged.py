@@ -62,15 +62,17 @@ class StagedBackend(Backend):
     def progress(self):
         return self.inner.progress
 
-    def isend(self, x: ArrayRef, dst: int, *, timeout: float, stream: Any = None):
+    def isend(self, x: ArrayRef, dst: int, *, timeout: float, stream: Any = None,
+              tag: int = 0):
         if x.kind != "device":
-            return self.inner.isend(x, dst, timeout=timeout)
-        return super().isend(x, dst, timeout=timeout, stream=stream)
+            return self.inner.isend(x, dst, timeout=timeout, tag=tag)
+        return super().isend(x, dst, timeout=timeout, stream=stream, tag=tag)
 
-    def irecv(self, x: ArrayRef, src: int, *, timeout: float, stream: Any = None):
+    def irecv(self, x: ArrayRef, src: int, *, timeout: float, stream: Any = None,
+              tag: int = 0):
         if x.kind != "device":
-            return self.inner.irecv(x, src, timeout=timeout)
-        return super().irecv(x, src, timeout=timeout, stream=stream)
+            return self.inner.irecv(x, src, timeout=timeout, tag=tag)
+        return super().irecv(x, src, timeout=timeout, stream=stream, tag=tag)
 
     def __getattr__(self, attr: str) -> Any:  # ring-specific extras (links, transport, ...)
         if attr == "inner":
@@ -99,17 +101,17 @@ class StagedBackend(Backend):
         self._pipeline(x, True, self.rank == root, timeout, stream,
                        lambda h, t: self.inner.reduce(h, root, op, timeout=t))
 
-    def send(self, x: ArrayRef, dst: int, *, timeout: float, stream: Any = None):
+    def send(self, x: ArrayRef, dst: int, *, timeout: float, stream: Any = None, tag: int = 0):
         if x.kind != "device":
-            return self.inner.send(x, dst, timeout=timeout)
+            return self.inner.send(x, dst, timeout=timeout, tag=tag)
         self._pipeline(x, True, False, timeout, stream,
-                       lambda h, t: self.inner.send(h, dst, timeout=t))
+                       lambda h, t: self.inner.send(h, dst, timeout=t, tag=tag))
 
-    def recv(self, x: ArrayRef, src: int, *, timeout: float, stream: Any = None):
+    def recv(self, x: ArrayRef, src: int, *, timeout: float, stream: Any = None, tag: int = 0):
         if x.kind != "device":
-            return self.inner.recv(x, src, timeout=timeout)
+            return self.inner.recv(x, src, timeout=timeout, tag=tag)
         self._pipeline(x, False, True, timeout, stream,
-                       lambda h, t: self.inner.recv(h, src, timeout=t))
+                       lambda h, t: self.inner.recv(h, src, timeout=t, tag=tag))
 
     def _pipeline(self, x: ArrayRef, down: bool, up: bool, timeout: float, stream: Any,
                   run: Callable[[ArrayRef, float], None]) -> None:
@@ -281,18 +283,18 @@ class StagedBackend(Backend):
             return self.inner.all_reduce_coalesced(xs, op, timeout=timeout)
         super().all_reduce_coalesced(xs, op, timeout=timeout, stream=stream)
 
-    def batch_p2p(self, ops, *, timeout: float, stream: Any = None):
+    def batch_p2p(self, ops, *, timeout: float, stream: Any = None, tags=None):
         """Host buffers go to the ring as they are. With device buffers the whole batch is
         staged: sends copied down, every message posted together, receives copied back up;
         it has completed when this returns."""
         if all(x.kind != "device" for _, x, _ in ops):
-            return self.inner.batch_p2p(ops, timeout=timeout)
+            return self.inner.batch_p2p(ops, timeout=timeout, tags=tags)
         refs = tuple(x for _, x, _ in ops)
         flags = tuple(sending for sending, _, _ in ops)
 
         def run(hosts: list, t: float) -> None:
             staged = [(sending, h, peer) for (sending, _, peer), h in zip(ops, hosts, strict=True)]
-            for work in self.inner.batch_p2p(staged, timeout=t):
+            for work in self.inner.batch_p2p(staged, timeout=t, tags=tags):
                 work.wait()
 
         self._whole(refs, flags, timeout, stream, run)

@@ -413,11 +413,14 @@ class NcclBackend(Backend):
             self._end("all_to_all", s, deadline, timeout, (x, out))
 
     @host_arrays()
-    def send(self, x: Any, dst: int, *, timeout: float, stream: Any = None) -> None:
+    def send(self, x: Any, dst: int, *, timeout: float, stream: Any = None,
+             tag: int = 0) -> None:
+        """NCCL has no tags: messages pair in order (the tag is checked under GPUCOLL_DEBUG)."""
         self._p2p("send", self._nc.calls.send, x, dst, timeout, stream)
 
     @host_arrays("x")
-    def recv(self, x: Any, src: int, *, timeout: float, stream: Any = None) -> None:
+    def recv(self, x: Any, src: int, *, timeout: float, stream: Any = None,
+             tag: int = 0) -> None:
         self._p2p("recv", self._nc.calls.recv, x, src, timeout, stream)
 
     def _p2p(self, opname: str, fn: Callable, x: Any, peer: int, timeout: float,
@@ -692,7 +695,7 @@ class NcclBackend(Backend):
 
     @host_arrays("ops")
     def batch_p2p(self, ops: Sequence[tuple[bool, Any, int]], *, timeout: float,
-                  stream: Any = None) -> list:
+                  stream: Any = None, tags: Sequence[int] | None = None) -> list:
         """Every send and receive as one NCCL group; they share its completion event."""
         deadline = time.monotonic() + timeout
         refs = tuple(ref for _, ref, _ in ops)
