@@ -506,6 +506,10 @@ class Communicator(OutOfPlaceCalls, UnevenCalls, ObjectCalls, MessageCalls, Poin
         and the receive names the same tag (checked under GPUCOLL_DEBUG=1).
         """
         c = self._call("send")
+        if self._in_batch():
+            if async_op:
+                return self._p2p("isend", x, dst, True, timeout, stream, tag)
+            raise c.fail(UsageError, self._BLOCKING_IN_BATCH.format(call="send", posted="isend"))
         ref = c.array(x, "x")
         dst = c.peer(dst, "dst")
         tag = c.tag(tag)
@@ -526,6 +530,10 @@ class Communicator(OutOfPlaceCalls, UnevenCalls, ObjectCalls, MessageCalls, Poin
 
         ``async_op=True`` posts the receive and returns its Work at once (see ``send``)."""
         c = self._call("recv")
+        if self._in_batch():
+            if async_op:
+                return self._p2p("irecv", x, src, False, timeout, stream, tag)
+            raise c.fail(UsageError, self._BLOCKING_IN_BATCH.format(call="recv", posted="irecv"))
         ref = c.array(x, "x", writable=True)
         src = c.peer(src, "src")
         tag = c.tag(tag)
@@ -538,6 +546,17 @@ class Communicator(OutOfPlaceCalls, UnevenCalls, ObjectCalls, MessageCalls, Poin
             return b.irecv(ref, src, timeout=t, stream=stream, **kw).bind(x, c.where)
         return self._issue(c, None, lambda: b.recv(ref, src, timeout=t, stream=stream, **kw),
                            x, async_op, stream, ref, x, check=check, timeout=t)
+
+    _BLOCKING_IN_BATCH = (
+        "a blocking {call} inside `with comm.batch():` is refused: the batch's sends and "
+        "receives are posted only when the block ends, so a peer may wait on them while this "
+        "call waits on the peer (a deadlock on every backend once messages are large); use "
+        "{posted}, or {call}(..., async_op=True), which join the batch")
+
+    def _in_batch(self) -> bool:
+        """Whether this thread has a ``with comm.batch():`` block open on this communicator."""
+        batch = self._batch
+        return batch is not None and batch.thread == threading.get_ident()
 
     @_entry
     def barrier(self, *, async_op: bool = False, timeout: float | None = None) -> Work | None:
