@@ -74,7 +74,7 @@ from gpucoll.store import Liveness, agree_survivors, leave_group, share, wait_fo
 from gpucoll.uneven import UnevenCalls
 from gpucoll.validation import VALID_OPS, Call, SignatureCheck, check_timeout
 from gpucoll.validation import entry as _entry
-from gpucoll.work import Work
+from gpucoll.work import CompletedWork, FutureWork, Work
 
 # the communicators of this process, for a fork and for an uncaught exception
 _LIVE: weakref.WeakSet = weakref.WeakSet()
@@ -311,14 +311,19 @@ class Communicator(OutOfPlaceCalls, UnevenCalls, ObjectCalls, PointToPointCalls,
         Every rank gets a bit-identical result (a fixed reduction order). With ``out`` the
         result lands there instead, ``x`` is only read, and ``out`` is returned.
         """
-        if type(x) is np.ndarray and not async_op and timeout is None and stream is None:
+        if type(x) is np.ndarray and timeout is None and stream is None:
             lean = self._lean_backend
             try:
                 rop = VALID_OPS.get((op, x.dtype))
             except TypeError:  # an unhashable op: the general path says what is wrong
                 rop = None
             if lean is not None and rop is not None:
-                if out is None:
+                if async_op:
+                    if out is None and x.flags.writeable:
+                        work = self._lean_async(lean, x, rop)
+                        if work is not None:
+                            return work
+                elif out is None:
                     if x.flags.writeable and self._lean("all_reduce", _ALL_REDUCE,
                                                         lean.host_all_reduce, x, rop):
                         return x
@@ -783,6 +788,45 @@ class Communicator(OutOfPlaceCalls, UnevenCalls, ObjectCalls, PointToPointCalls,
             self._entry.release()
         return True
 
+    def _lean_async(self, lean: Backend, x: np.ndarray, op: Any) -> Work | None:
+        """An async all_reduce of a C-contiguous NumPy array with a known-good op, started on
+        this thread when the backend says it may (nothing queued before it, a small message):
+        a small call that finds its peers there completes here, at a synchronous call's cost;
+        the rest of one that does not is queued. None (nothing done) when the general path
+        must run. Marked in the progress record and the flight recorder as queued calls are."""
+        flat = x if x.ndim == 1 else x.reshape(-1)
+        if not x.flags.c_contiguous or self._forked or self._closed \
+                or not lean.can_start(flat, op) or not self._entry.acquire(False):
+            return None
+        try:
+            self._inside = "all_reduce"
+            seq = self._seq
+            self._seq = seq + 1
+            rec, keep, progress = self._recorder, self._keep, self._progress
+            rec.current = (seq, _ALL_REDUCE, x.dtype, x.size, {"op": op}, -1, 0)
+            n = rec.issued()
+            rec.current = NO_CALL
+            keep(("S", n, clock()))
+            progress.enter(seq, _ALL_REDUCE)
+            label = self._call("all_reduce").where
+            try:
+                rest = lean.start_all_reduce(flat, op, seq, self.timeout)
+            except Exception as exc:  # noqa: BLE001 - an async call's error comes from wait()
+                keep(("E", n, -clock()))
+                progress.leave(False)
+                self._failed(exc)
+                work = FutureWork()
+                work.fail(exc)
+                return work.bind(x, label)
+            if rest is None:
+                progress.leave(True)
+                keep(("E", n, clock()))
+                return CompletedWork().bind(x, label)
+            return lean.run_async(self._queued(seq, _ALL_REDUCE, rest, n, started=True)).bind(
+                x, label)
+        finally:
+            self._entry.release()
+
     def _call(self, name: str) -> Call:
         if self._closed:
             raise ValueError(f"{name} on rank {self.rank} of {self.size}: the communicator is "
@@ -874,16 +918,18 @@ class Communicator(OutOfPlaceCalls, UnevenCalls, ObjectCalls, PointToPointCalls,
         return run
 
     def _queued(self, seq: int | None, kind: int, call: Callable[[], None],
-                n: int) -> Callable[[], None]:
+                n: int, started: bool = False) -> Callable[[], None]:
         """``call``, queued as the recorder's call ``n``: as ``_tracked`` (``_timed`` for a
-        send or receive), when it runs later."""
+        send or receive), when it runs later; ``started``: the call's start is marked already
+        (``call`` is the rest of it)."""
         progress = None if seq is None else self._progress
         keep, flight, failed = self._keep, self._flight, self._failed
 
         def run() -> None:
-            keep(("S", n, clock()))
-            if progress is not None:
-                progress.enter(seq, kind)
+            if not started:
+                keep(("S", n, clock()))
+                if progress is not None:
+                    progress.enter(seq, kind)
             try:
                 call()
             except BaseException as exc:

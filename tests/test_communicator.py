@@ -36,6 +36,30 @@ def async_ops_complete_in_issue_order(comm):
     assert (x == comm.size ** 3).all()
 
 
+def small_async_all_reduces_among_other_calls_keep_issue_order(comm):
+    n, r = comm.size, comm.rank
+    total = n * (n + 1) // 2
+    x = np.full((2, 3), r + 1, np.int64)  # 2-D: reduced through its flat view
+    big = np.ones(300_000, np.int64)  # beyond the small messages
+    y = np.full(3, float(r), np.float64)
+    works = [comm.all_reduce(x, async_op=True),  # x -> total
+             comm.all_reduce(big, async_op=True),
+             comm.all_reduce(x, op="prod", async_op=True),  # -> total ** n (n! if run first)
+             comm.all_reduce(y, op="avg", async_op=True)]
+    z = np.zeros(2, np.int64)
+    posted = [comm.send(np.full(2, r, np.int64), (r + 1) % n, async_op=True),
+              comm.recv(z, (r - 1) % n, async_op=True)]
+    works.append(comm.all_reduce(x, op="max", async_op=True))  # behind posted messages
+    assert comm.all_reduce(np.array([1]))[0] == n  # a synchronous call runs after them all
+    assert all(w.is_completed() for w in works)
+    for w in posted:
+        w.wait(timeout=30)
+    results = [x, big, x, y, x]
+    assert [w.wait(timeout=0) is a for w, a in zip(works, results, strict=True)] == [True] * 5
+    assert works[0].result() is x and (x == total ** n).all() and x.shape == (2, 3)
+    assert (big == n).all() and (y == (n - 1) / 2).all() and (z == (r - 1) % n).all()
+
+
 def async_work_returns_the_result_array(comm):
     work = comm.all_gather(np.array([comm.rank]), async_op=True)
     out = work.wait()
@@ -134,6 +158,7 @@ def bad_arguments_leave_the_group_usable(comm):
 
 SCENARIOS = [
     async_ops_complete_in_issue_order,
+    small_async_all_reduces_among_other_calls_keep_issue_order,
     async_work_returns_the_result_array,
     sync_call_sees_earlier_async_results,
     async_validation_errors_raise_at_the_call,

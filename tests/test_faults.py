@@ -236,6 +236,26 @@ def test_a_rank_killed_mid_collective_is_named_by_every_survivor(store_addr, tra
     _check_rank_1_killed_in_an_all_reduce(outcomes)
 
 
+def _killed_before_small_async_all_reduce(rank, n, addr):
+    side = _side(addr)
+    with _open(rank, n, addr) as comm:
+        _barrier_then_die(comm, side, 1)
+        work = comm.all_reduce(np.ones(4, np.float32), async_op=True)  # issued without error
+        try:
+            work.wait()
+        except GpucollError as exc:
+            return _outcome(exc, side)
+
+
+@pytest.mark.parametrize("transport", TRANSPORTS)
+@pytest.mark.parametrize("n", WORLDS)
+def test_a_rank_killed_before_a_small_async_all_reduce_fails_its_wait_naming_it_fast(
+        store_addr, transport, n):
+    outcomes = spawn(_killed_before_small_async_all_reduce, n, store_addr, env=_env(transport),
+                     check=False)
+    _check_rank_1_killed_in_an_all_reduce(outcomes)
+
+
 @pytest.mark.parametrize("transport", ["shm", "shm-python"])
 def test_a_rank_killed_before_an_all_reduce_through_the_outboxes_is_named_by_every_survivor(
         store_addr, transport):

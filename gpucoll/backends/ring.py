@@ -431,6 +431,28 @@ class RingBackend(GroupedRing, Backend):
         self._all_reduce(x, op, hdr, timeout, _CallName("all_reduce", _ALL_REDUCE, seq),
                          done is None)
 
+    def can_start(self, x: np.ndarray, op: ReduceOp) -> bool:
+        """Whether an async all_reduce of the flat host array ``x`` may start on the issuing
+        thread (``start_all_reduce``): nothing queued before it, one small message per peer, a
+        compiled fold for ``op``, and nothing else on the engine."""
+        return (not self._inflight and 0 < x.nbytes <= self._small_bytes
+                and self._native_fold(op, x.dtype) is not None and self._idle_engine()
+                and os.getpid() == self._pid)
+
+    def start_all_reduce(self, x: np.ndarray, op: ReduceOp, seq: int,
+                         timeout: float) -> Callable[[], None] | None:
+        """Start an async all_reduce of the flat host array ``x`` as collective ``seq`` on this
+        thread, where ``can_start`` said it may: this rank's messages go out and the peers'
+        are awaited briefly (as a synchronous call first does). None when the call finished
+        here; else the rest of it, to queue at once with ``run_async``. Handing a small call
+        to the worker thread costs more than the call (a thread wake-up or two)."""
+        hdr = algos.frame(_ALL_REDUCE, seq, x.dtype, x.size, -1, op)
+        done = self._native_all_reduce(x, op, hdr)
+        if done is True:
+            return None
+        return functools.partial(self._all_reduce, x, op, hdr, timeout,
+                                 _CallName("all_reduce", _ALL_REDUCE, seq), done is None)
+
     def host_broadcast(self, x: np.ndarray, root: int, seq: int, timeout: float) -> None:
         """broadcast of the flat host array ``x`` as collective ``seq``."""
         if self._inflight:
