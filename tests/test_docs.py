@@ -8,16 +8,15 @@ are output or diagrams and never run. HTML comments right before a block say how
   several hosts, the network, or many minutes);
 - ``<!-- gpu -->``: run only where CUDA exists (the ``gpu`` marker skips it elsewhere);
 - ``<!-- ranks: N -->``: a Python script run on N ranks by ``gpucoll run -n N``;
-- ``<!-- comm: N -->``: Python run on each of N ranks of the host ring with ``comm`` (that
-  rank's communicator), ``np`` and ``gpucoll`` defined;
 - ``<!-- file: NAME -->``: the content of the file NAME, which later blocks of the page use;
 - ``<!-- timeout: S -->``: seconds the block may take (default 120).
 
-A Python block without ``ranks`` or ``comm`` runs as ``python block.py``. Every block runs in a
-fresh directory holding the repository's ``examples``, ``benchmarks``, ``tests`` and ``docker``
-(linked, read only by convention), empty ``docs`` and ``results`` folders, the page's files, and
-``train.py``, ``mypackage.train`` and ``buggy.py``, the stand-ins for "your script" that the
-launcher's page names.
+A Python block without ``ranks`` runs as ``python block.py``. Every block that runs is whole,
+as a reader would copy it: a Python block that uses a communicator ``comm`` makes it itself.
+Every block runs in a fresh directory holding the repository's ``examples``, ``benchmarks``,
+``tests`` and ``docker`` (linked, read only by convention), empty ``docs`` and ``results``
+folders, the page's files, and ``train.py``, ``mypackage.train`` and ``buggy.py``, the stand-ins
+for "your script" that the launcher's page names.
 """
 
 from __future__ import annotations
@@ -29,7 +28,6 @@ import shlex
 import signal
 import subprocess
 import sys
-import textwrap
 import unicodedata
 from pathlib import Path
 
@@ -38,7 +36,7 @@ import pytest
 ROOT = Path(__file__).resolve().parent.parent
 PAGES = [ROOT / "README.md", *sorted((ROOT / "docs").glob("*.md"))]
 LANGUAGES = {"python", "bash", "console", "text"}
-KEYS = {"not run", "gpu", "ranks", "comm", "file", "timeout"}
+KEYS = {"not run", "gpu", "ranks", "file", "timeout"}
 LINKED = ("examples", "benchmarks", "tests", "docker")
 
 # "your script" of the launcher's page: any arguments, one all_reduce, a line from rank 0
@@ -132,20 +130,6 @@ def console_script(block: Block) -> str:
     return "\n".join(script) + "\n"
 
 
-def comm_script(block: Block) -> str:
-    """A rank script that runs the block with this rank's communicator as ``comm``."""
-    return textwrap.dedent(f"""\
-        import numpy as np
-
-        import gpucoll
-
-        CODE = {block.code!r}
-        with gpucoll.init("ring", timeout=60) as comm:
-            exec(compile(CODE, {block.name!r}, "exec"),
-                 {{"comm": comm, "np": np, "gpucoll": gpucoll, "__name__": "__main__"}})
-        """)
-
-
 def workdir(block: Block, path: Path) -> Path:
     """A fresh directory laid out as the docs assume, with the page's files in it."""
     for name in LINKED:
@@ -188,9 +172,6 @@ def script_of(block: Block, cwd: Path) -> str:
         return console_script(block)
     if "file" in block.marks:  # a file the page uses: it must at least compile
         return f"python -m py_compile {shlex.quote(block.marks['file'])}\n"
-    if "comm" in block.marks:
-        (cwd / "_block.py").write_text(comm_script(block))
-        return f"python -m gpucoll run -n {int(block.marks['comm'])} _block.py\n"
     (cwd / "_block.py").write_text(block.code)
     if "ranks" in block.marks:
         return f"python -m gpucoll run -n {int(block.marks['ranks'])} _block.py\n"
@@ -231,8 +212,17 @@ def test_every_block_says_how_it_runs(block: Block):
         assert not block.code.startswith("$ "), f"{block.name}: commands belong in console"
     if block.lang == "console":
         assert block.code.startswith("$ "), f"{block.name}: a console block starts with $"
-    if {"ranks", "comm"} & set(block.marks):
-        assert block.lang == "python", f"{block.name}: ranks/comm mark Python blocks"
+    if "ranks" in block.marks:
+        assert block.lang == "python", f"{block.name}: ranks marks Python blocks"
+
+
+@pytest.mark.parametrize("block", [b for b in BLOCKS if b.runs and b.lang == "python"],
+                         ids=lambda b: b.name)
+def test_a_python_block_that_uses_comm_makes_it(block: Block):
+    """A reader copies a block whole: a ``comm`` it never makes is a NameError for them."""
+    uses = re.search(r"\bcomm\.", block.code)
+    makes = re.search(r"^\s*(comm\s*=|with .* as comm\b)", block.code, re.M)
+    assert not uses or makes, f"{block.name}: uses comm without making it (gpucoll.init())"
 
 
 @pytest.mark.parametrize("block", [b for b in BLOCKS if "file" in b.marks],
