@@ -21,6 +21,7 @@ for "your script" that the launcher's page names.
 
 from __future__ import annotations
 
+import ast
 import dataclasses
 import os
 import re
@@ -232,6 +233,34 @@ def test_every_file_block_is_used_by_a_later_block(block: Block):
              and "file" not in b.marks]
     assert any(block.marks["file"] in b.code for b in later), (
         f"{block.name}: no later block of the page runs {block.marks['file']}")
+
+
+def _variables_named_in(package: Path) -> dict[str, str]:
+    """Every GPUCOLL_* name that appears as a whole string in the package's code (what it reads
+    from, or sets in, the environment), with a module that names it."""
+    found = {}
+    for path in sorted(package.rglob("*.py")):
+        for node in ast.walk(ast.parse(path.read_text())):
+            if isinstance(node, ast.Constant) and isinstance(node.value, str) \
+                    and re.fullmatch(r"GPUCOLL_[A-Z0-9_]+", node.value):
+                found.setdefault(node.value, str(path.relative_to(ROOT)))
+    return found
+
+
+def _variables_in_the_table() -> set[str]:
+    """The variables of api.md's table of environment variables (its first column)."""
+    text = (ROOT / "docs" / "api.md").read_text()
+    section = text.split("## Environment variables", 1)[1].split("\n## ", 1)[0]
+    rows = [line.split("|")[1] for line in section.splitlines() if line.startswith("| `")]
+    return {name for cell in rows for name in re.findall(r"`(GPUCOLL_[A-Z0-9_]+)`", cell)}
+
+
+def test_every_environment_variable_the_package_reads_is_in_the_table():
+    named, table = _variables_named_in(ROOT / "gpucoll"), _variables_in_the_table()
+    assert len(named) >= 20  # the scan finds them (os.environ.get("GPUCOLL_..."), constants)
+    missing = {name: where for name, where in named.items() if name not in table}
+    assert not missing, f"not in docs/api.md's table of environment variables: {missing}"
+    assert table <= set(named), f"in the table, never read: {table - set(named)}"
 
 
 def test_the_readme_quickstart_runs_as_the_readme_says(tmp_path):
