@@ -244,6 +244,17 @@ def test_one_rank_world_needs_no_store_or_launcher():
     gpucoll.close()
 
 
+def test_an_async_all_reduce_of_one_rank_is_complete_when_issued_and_keeps_the_values():
+    with gpucoll.init("ring", rank=0, world_size=1) as comm:
+        x = np.arange(4.0)
+        for op in ("avg", "sum"):  # the first call of an op and dtype has them checked in full
+            comm.all_reduce(x, op=op)
+        works = [comm.all_reduce(x, op="avg", async_op=True), comm.all_reduce(x, async_op=True)]
+        assert [w.is_completed() for w in works] == [True, True]  # no hand-off to a thread
+        assert all(w.wait(timeout=0) is x for w in works) and x.tolist() == [0.0, 1.0, 2.0, 3.0]
+    gpucoll.close()
+
+
 def test_init_reads_rank_and_size_from_the_environment(monkeypatch):
     monkeypatch.setenv("GPUCOLL_RANK", "0")
     monkeypatch.setenv("GPUCOLL_WORLD_SIZE", "1")

@@ -433,11 +433,14 @@ class RingBackend(GroupedRing, Backend):
 
     def can_start(self, x: np.ndarray, op: ReduceOp) -> bool:
         """Whether an async all_reduce of the flat host array ``x`` may start on the issuing
-        thread (``start_all_reduce``): nothing queued before it, one small message per peer, a
-        compiled fold for ``op``, and nothing else on the engine."""
-        return (not self._inflight and 0 < x.nbytes <= self._small_bytes
-                and self._native_fold(op, x.dtype) is not None and self._idle_engine()
-                and os.getpid() == self._pid)
+        thread (``start_all_reduce``): nothing queued before it, and no peers, or one small
+        message per peer, a compiled fold for ``op`` and nothing else on the engine."""
+        if self._inflight or os.getpid() != self._pid:
+            return False
+        if self.size == 1:
+            return self._error is None and not self._closed  # nothing to exchange
+        return (0 < x.nbytes <= self._small_bytes and self._native_fold(op, x.dtype) is not None
+                and self._idle_engine())
 
     def start_all_reduce(self, x: np.ndarray, op: ReduceOp, seq: int,
                          timeout: float) -> Callable[[], None] | None:
@@ -446,6 +449,8 @@ class RingBackend(GroupedRing, Backend):
         are awaited briefly (as a synchronous call first does). None when the call finished
         here; else the rest of it, to queue at once with ``run_async``. Handing a small call
         to the worker thread costs more than the call (a thread wake-up or two)."""
+        if self.size == 1:
+            return None  # x / 1 is x for avg
         hdr = algos.frame(_ALL_REDUCE, seq, x.dtype, x.size, -1, op)
         done = self._native_all_reduce(x, op, hdr)
         if done is True:
