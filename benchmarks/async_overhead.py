@@ -1,16 +1,19 @@
-"""What ``async_op=True`` costs a small all_reduce on the host ring, against the same call made
-synchronously.
+"""What ``async_op=True`` costs a small all_reduce and broadcast on the host ring, against the
+same call made synchronously.
 
 Forms timed, float32 NumPy arrays of each size, in place:
 
-  sync            comm.all_reduce(x)
-  async, wait     comm.all_reduce(x, async_op=True).wait(): one call issued and waited for
-  async x8, wait  eight calls issued, then each waited for in turn (gradient hooks' pattern:
-                  buckets reduced while the backward pass goes on, waited for before the step)
+  sync                  comm.all_reduce(x)
+  async, wait           comm.all_reduce(x, async_op=True).wait(): one call issued and waited for
+  async x8, wait        eight calls issued, then each waited for in turn (gradient hooks'
+                        pattern: buckets reduced while the backward pass goes on, waited for
+                        before the step)
+  broadcast sync        comm.broadcast(x, root=0)
+  broadcast async, wait comm.broadcast(x, root=0, async_op=True).wait()
 
 Each round times every form at every size, interleaved, so a busy spell of the machine falls on
 all of them alike; a form's time in a round is the slowest rank's mean per call; the table shows
-the median over rounds and the ratio of each async form to the synchronous call.
+the median over rounds and the ratio of each async form to its synchronous call.
 
     gpucoll run -n 2 benchmarks/async_overhead.py [--rounds 15] [--calls 400]
                                                   [--json results/async_overhead.json]
@@ -44,6 +47,8 @@ def _forms(comm, x: np.ndarray) -> dict:
         "sync": (1, lambda: comm.all_reduce(x)),
         "async, wait": (1, lambda: comm.all_reduce(x, async_op=True).wait()),
         "async x8, wait": (8, many),
+        "broadcast sync": (1, lambda: comm.broadcast(x, root=0)),
+        "broadcast async, wait": (1, lambda: comm.broadcast(x, root=0, async_op=True).wait()),
     }
 
 
@@ -80,19 +85,24 @@ def main(argv: list[str] | None = None) -> int:
     return 0
 
 
+def _baseline(form: str) -> str:
+    """The synchronous form an async one is compared with."""
+    return "broadcast sync" if form.startswith("broadcast") else "sync"
+
+
 def _report(size: int, a: argparse.Namespace, times: dict, reason: str) -> None:
     rows = []
     print(f"# all_reduce, float32, in place, {size} ranks on the host ring; median over "
           f"{a.rounds} rounds of {a.calls} calls (slowest rank's mean per call)")
-    print(f"# {'bytes':>7}  {'form':<16} {'us/call':>8}  {'x sync':>6}")
+    print(f"# {'bytes':>7}  {'form':<22} {'us/call':>8}  {'x sync':>6}")
     for n in SIZES:
-        sync = statistics.median(times[n]["sync"])
         for form, got in times[n].items():
+            sync = statistics.median(times[n][_baseline(form)])
             med = statistics.median(got)
             rows.append({"bytes": n, "form": form, "us": med * 1e6, "ratio": med / sync,
                          "rounds_us": [t * 1e6 for t in got]})
-            print(f"  {n:>7}  {form:<16} {med * 1e6:8.1f}  {med / sync:6.2f}")
-    worst = max(r["ratio"] for r in rows if r["form"] == "async, wait")
+            print(f"  {n:>7}  {form:<22} {med * 1e6:8.1f}  {med / sync:6.2f}")
+    worst = max(r["ratio"] for r in rows if r["form"].endswith("async, wait"))
     print(f"# async issue+wait at most {worst:.2f}x a synchronous call (target {TARGET:g}x)")
     a.json.parent.mkdir(parents=True, exist_ok=True)
     a.json.write_text(json.dumps({

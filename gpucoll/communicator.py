@@ -319,8 +319,9 @@ class Communicator(OutOfPlaceCalls, UnevenCalls, ObjectCalls, PointToPointCalls,
                 rop = None
             if lean is not None and rop is not None:
                 if async_op:
-                    if out is None and x.flags.writeable:
-                        work = self._lean_async(lean, x, rop)
+                    if out is None and x.flags.writeable and lean.can_start(x, rop):
+                        work = self._lean_async("all_reduce", _ALL_REDUCE, lean.start_all_reduce,
+                                                x, rop, {"op": rop})
                         if work is not None:
                             return work
                 elif out is None:
@@ -375,13 +376,20 @@ class Communicator(OutOfPlaceCalls, UnevenCalls, ObjectCalls, PointToPointCalls,
         With ``out`` root's ``x`` lands in every rank's ``out`` (root's too) and ``x`` is only
         read on root (other ranks may pass ``x=None``); returns ``out``.
         """
-        if (type(x) is np.ndarray and type(root) is int and not async_op and timeout is None
+        if (type(x) is np.ndarray and type(root) is int and timeout is None
                 and stream is None and out is None and 0 <= root < self.size
                 and x.dtype in _LEAN_DTYPES and (x.flags.writeable or root == self.rank)):
             lean = self._lean_backend
-            if lean is not None and self._lean("broadcast", _BROADCAST, lean.host_broadcast, x,
-                                               root):
-                return x
+            if lean is None:
+                pass
+            elif not async_op:
+                if self._lean("broadcast", _BROADCAST, lean.host_broadcast, x, root):
+                    return x
+            elif lean.can_start(x):
+                work = self._lean_async("broadcast", _BROADCAST, lean.start_broadcast, x, root,
+                                        {"root": root})
+                if work is not None:
+                    return work
         return self._broadcast(x, root, async_op, timeout, stream, out)
 
     @_entry
@@ -788,29 +796,30 @@ class Communicator(OutOfPlaceCalls, UnevenCalls, ObjectCalls, PointToPointCalls,
             self._entry.release()
         return True
 
-    def _lean_async(self, lean: Backend, x: np.ndarray, op: Any) -> Work | None:
-        """An async all_reduce of a C-contiguous NumPy array with a known-good op, started on
-        this thread when the backend says it may (nothing queued before it, a small message):
-        a small call that finds its peers there completes here, at a synchronous call's cost;
-        the rest of one that does not is queued. None (nothing done) when the general path
-        must run. Marked in the progress record and the flight recorder as queued calls are."""
-        flat = x if x.ndim == 1 else x.reshape(-1)
+    def _lean_async(self, name: str, kind: int, start: Callable, x: np.ndarray, arg: Any,
+                    fields: dict[str, Any]) -> Work | None:
+        """An async all_reduce or broadcast of a NumPy array whose other arguments are known
+        good, started on this thread by ``start(x, arg, seq, timeout)`` (the lean backend's
+        ``start_all_reduce``/``start_broadcast``; its ``can_start`` said it may): a small call
+        that finds its peers there completes here, at a synchronous call's cost; the rest of
+        one that does not is queued. None (nothing done) when the general path must run.
+        Marked in the progress record and the flight recorder as queued calls are."""
         if not x.flags.c_contiguous or self._forked or self._closed \
-                or not lean.can_start(flat, op) or not self._entry.acquire(False):
+                or not self._entry.acquire(False):
             return None
         try:
-            self._inside = "all_reduce"
+            self._inside = name
             seq = self._seq
             self._seq = seq + 1
             rec, keep, progress = self._recorder, self._keep, self._progress
-            rec.current = (seq, _ALL_REDUCE, x.dtype, x.size, {"op": op}, -1, 0)
+            rec.current = (seq, kind, x.dtype, x.size, fields, -1, 0)
             n = rec.issued()
             rec.current = NO_CALL
             keep(("S", n, clock()))
-            progress.enter(seq, _ALL_REDUCE)
-            label = self._call("all_reduce").where
+            progress.enter(seq, kind)
+            label = self._call(name).where
             try:
-                rest = lean.start_all_reduce(flat, op, seq, self.timeout)
+                rest = start(x if x.ndim == 1 else x.reshape(-1), arg, seq, self.timeout)
             except Exception as exc:  # noqa: BLE001 - an async call's error comes from wait()
                 keep(("E", n, -clock()))
                 progress.leave(False)
@@ -822,8 +831,8 @@ class Communicator(OutOfPlaceCalls, UnevenCalls, ObjectCalls, PointToPointCalls,
                 progress.leave(True)
                 keep(("E", n, clock()))
                 return CompletedWork().bind(x, label)
-            return lean.run_async(self._queued(seq, _ALL_REDUCE, rest, n, started=True)).bind(
-                x, label)
+            return self._lean_backend.run_async(
+                self._queued(seq, kind, rest, n, started=True)).bind(x, label)
         finally:
             self._entry.release()
 

@@ -36,7 +36,7 @@ def async_ops_complete_in_issue_order(comm):
     assert (x == comm.size ** 3).all()
 
 
-def small_async_all_reduces_among_other_calls_keep_issue_order(comm):
+def small_async_calls_among_other_calls_keep_issue_order(comm):
     n, r = comm.size, comm.rank
     total = n * (n + 1) // 2
     x = np.full((2, 3), r + 1, np.int64)  # 2-D: reduced through its flat view
@@ -58,6 +58,11 @@ def small_async_all_reduces_among_other_calls_keep_issue_order(comm):
     assert [w.wait(timeout=0) is a for w, a in zip(works, results, strict=True)] == [True] * 5
     assert works[0].result() is x and (x == total ** n).all() and x.shape == (2, 3)
     assert (big == n).all() and (y == (n - 1) / 2).all() and (z == (r - 1) % n).all()
+    b = np.full((3, 2), r, np.int16)
+    casts = [comm.broadcast(b, root=n - 1, async_op=True),  # b -> n - 1 everywhere
+             comm.all_reduce(b, async_op=True),  # -> n * (n - 1): after the broadcast
+             comm.broadcast(b, root=0, async_op=True)]  # the same on every rank by then
+    assert casts[2].wait() is b and (b == n * (n - 1)).all() and casts[0].is_completed()
 
 
 def async_work_returns_the_result_array(comm):
@@ -158,7 +163,7 @@ def bad_arguments_leave_the_group_usable(comm):
 
 SCENARIOS = [
     async_ops_complete_in_issue_order,
-    small_async_all_reduces_among_other_calls_keep_issue_order,
+    small_async_calls_among_other_calls_keep_issue_order,
     async_work_returns_the_result_array,
     sync_call_sees_earlier_async_results,
     async_validation_errors_raise_at_the_call,
