@@ -380,12 +380,10 @@ class Communicator(OutOfPlaceCalls, UnevenCalls, ObjectCalls, PointToPointCalls,
                 and stream is None and out is None and 0 <= root < self.size
                 and x.dtype in _LEAN_DTYPES and (x.flags.writeable or root == self.rank)):
             lean = self._lean_backend
-            if lean is None:
-                pass
-            elif not async_op:
+            if lean is not None and not async_op:
                 if self._lean("broadcast", _BROADCAST, lean.host_broadcast, x, root):
                     return x
-            elif lean.can_start(x):
+            elif lean is not None and lean.can_start(x):
                 work = self._lean_async("broadcast", _BROADCAST, lean.start_broadcast, x, root,
                                         {"root": root})
                 if work is not None:
