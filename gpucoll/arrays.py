@@ -164,9 +164,14 @@ def as_ref(obj: Any, name: str, *, copy: bool = False) -> ArrayRef:
         ref = adapter.ref_if_claimed(obj, name, copy)
         if ref is not None:
             return ref
+    hint = ""
+    if isinstance(obj, (list, tuple)):  # collectives move memory a Python sequence does not have
+        hint = (f": make it one with numpy.asarray({name}) (cupy.asarray({name}) for device "
+                f"memory) and keep that array, into which in-place calls write their result")
     raise TypeError(
         f"{name} must be an array (NumPy, CuPy, or an object with the buffer protocol, "
         f"__array_interface__, __cuda_array_interface__ or DLPack), got {type(obj).__name__}"
+        f"{hint}"
     )
 
 

@@ -75,7 +75,7 @@ from gpucoll.store import Liveness, agree_survivors, leave_group, share, wait_fo
 from gpucoll.uneven import UnevenCalls
 from gpucoll.validation import VALID_OPS, Call, SignatureCheck, check_timeout
 from gpucoll.validation import entry as _entry
-from gpucoll.work import Work
+from gpucoll.work import CompletedWork, FutureWork, Work
 
 # the communicators of this process, for a fork and for an uncaught exception
 _LIVE: weakref.WeakSet = weakref.WeakSet()
@@ -312,14 +312,20 @@ class Communicator(OutOfPlaceCalls, UnevenCalls, ObjectCalls, MessageCalls, Poin
         Every rank gets a bit-identical result (a fixed reduction order). With ``out`` the
         result lands there instead, ``x`` is only read, and ``out`` is returned.
         """
-        if type(x) is np.ndarray and not async_op and timeout is None and stream is None:
+        if type(x) is np.ndarray and timeout is None and stream is None:
             lean = self._lean_backend
             try:
                 rop = VALID_OPS.get((op, x.dtype))
             except TypeError:  # an unhashable op: the general path says what is wrong
                 rop = None
             if lean is not None and rop is not None:
-                if out is None:
+                if async_op:
+                    if out is None and x.flags.writeable and lean.can_start(x, rop):
+                        work = self._lean_async("all_reduce", _ALL_REDUCE, lean.start_all_reduce,
+                                                x, rop, {"op": rop})
+                        if work is not None:
+                            return work
+                elif out is None:
                     if x.flags.writeable and self._lean("all_reduce", _ALL_REDUCE,
                                                         lean.host_all_reduce, x, rop):
                         return x
@@ -371,13 +377,18 @@ class Communicator(OutOfPlaceCalls, UnevenCalls, ObjectCalls, MessageCalls, Poin
         With ``out`` root's ``x`` lands in every rank's ``out`` (root's too) and ``x`` is only
         read on root (other ranks may pass ``x=None``); returns ``out``.
         """
-        if (type(x) is np.ndarray and type(root) is int and not async_op and timeout is None
+        if (type(x) is np.ndarray and type(root) is int and timeout is None
                 and stream is None and out is None and 0 <= root < self.size
                 and x.dtype in _LEAN_DTYPES and (x.flags.writeable or root == self.rank)):
             lean = self._lean_backend
-            if lean is not None and self._lean("broadcast", _BROADCAST, lean.host_broadcast, x,
-                                               root):
-                return x
+            if lean is not None and not async_op:
+                if self._lean("broadcast", _BROADCAST, lean.host_broadcast, x, root):
+                    return x
+            elif lean is not None and lean.can_start(x):
+                work = self._lean_async("broadcast", _BROADCAST, lean.start_broadcast, x, root,
+                                        {"root": root})
+                if work is not None:
+                    return work
         return self._broadcast(x, root, async_op, timeout, stream, out)
 
     @_entry
@@ -808,6 +819,46 @@ class Communicator(OutOfPlaceCalls, UnevenCalls, ObjectCalls, MessageCalls, Poin
             self._entry.release()
         return True
 
+    def _lean_async(self, name: str, kind: int, start: Callable, x: np.ndarray, arg: Any,
+                    fields: dict[str, Any]) -> Work | None:
+        """An async all_reduce or broadcast of a NumPy array whose other arguments are known
+        good, started on this thread by ``start(x, arg, seq, timeout)`` (the lean backend's
+        ``start_all_reduce``/``start_broadcast``; its ``can_start`` said it may): a small call
+        that finds its peers there completes here, at a synchronous call's cost; the rest of
+        one that does not is queued. None (nothing done) when the general path must run.
+        Marked in the progress record and the flight recorder as queued calls are."""
+        if not x.flags.c_contiguous or self._forked or self._closed \
+                or not self._entry.acquire(False):
+            return None
+        try:
+            self._inside = name
+            seq = self._seq
+            self._seq = seq + 1
+            rec, keep, progress = self._recorder, self._keep, self._progress
+            rec.current = (seq, kind, x.dtype, x.size, fields, -1, 0)
+            n = rec.issued()
+            rec.current = NO_CALL
+            keep(("S", n, clock()))
+            progress.enter(seq, kind)
+            label = self._call(name).where
+            try:
+                rest = start(x if x.ndim == 1 else x.reshape(-1), arg, seq, self.timeout)
+            except Exception as exc:  # noqa: BLE001 - an async call's error comes from wait()
+                keep(("E", n, -clock()))
+                progress.leave(False)
+                self._failed(exc)
+                work = FutureWork()
+                work.fail(exc)
+                return work.bind(x, label)
+            if rest is None:
+                progress.leave(True)
+                keep(("E", n, clock()))
+                return CompletedWork().bind(x, label)
+            return self._lean_backend.run_async(
+                self._queued(seq, kind, rest, n, started=True)).bind(x, label)
+        finally:
+            self._entry.release()
+
     def _call(self, name: str) -> Call:
         if self._closed:
             raise ValueError(f"{name} on rank {self.rank} of {self.size}: the communicator is "
@@ -899,16 +950,18 @@ class Communicator(OutOfPlaceCalls, UnevenCalls, ObjectCalls, MessageCalls, Poin
         return run
 
     def _queued(self, seq: int | None, kind: int, call: Callable[[], None],
-                n: int) -> Callable[[], None]:
+                n: int, started: bool = False) -> Callable[[], None]:
         """``call``, queued as the recorder's call ``n``: as ``_tracked`` (``_timed`` for a
-        send or receive), when it runs later."""
+        send or receive), when it runs later; ``started``: the call's start is marked already
+        (``call`` is the rest of it)."""
         progress = None if seq is None else self._progress
         keep, flight, failed = self._keep, self._flight, self._failed
 
         def run() -> None:
-            keep(("S", n, clock()))
-            if progress is not None:
-                progress.enter(seq, kind)
+            if not started:
+                keep(("S", n, clock()))
+                if progress is not None:
+                    progress.enter(seq, kind)
             try:
                 call()
             except BaseException as exc:

@@ -62,6 +62,7 @@ from gpucoll.default import create
 from gpucoll.errors import CollectiveTimeout, GpucollError, PeerFailure
 from gpucoll.ops import ReduceOp, check_op_dtype
 from gpucoll.store import TCPStore
+from gpucoll.transport import shm
 
 # -- which checks run where, and the command --------------------------------------------------
 BANDWIDTH_SIZES = (1 << 20, 16 << 20, 64 << 20, 256 << 20)
@@ -695,6 +696,7 @@ def collect() -> dict[str, Any]:
 
     verdict = local_verdict()
     usable, why = verdict["ok"], verdict["why"]
+    exchange, how = shm.exchange()
     return {
         "gpucoll": __version__,
         "python": sys.version.split()[0],
@@ -706,6 +708,8 @@ def collect() -> dict[str, Any]:
         "auto_backend": "nccl" if usable else "ring",
         "auto_reason": (f"this process can use NCCL ({why}); auto picks it when every rank can"
                         if usable else f"NCCL is not usable here: {why}"),
+        "small_exchange": exchange,  # the host ring's, on shared memory
+        "small_exchange_note": how,
     }
 
 
@@ -732,6 +736,9 @@ def render_info(info: dict[str, Any]) -> str:
     ]
     lines += device_lines(info["devices"], "devices       ")
     lines.append(f"auto backend  {info['auto_backend']}: {info['auto_reason']}")
+    lines.append(f"shm exchange  {info['small_exchange']}")
+    if info["small_exchange_note"]:
+        lines.append(f"              {info['small_exchange_note']}")
     return "\n".join(lines)
 
 

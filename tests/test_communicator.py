@@ -36,6 +36,35 @@ def async_ops_complete_in_issue_order(comm):
     assert (x == comm.size ** 3).all()
 
 
+def small_async_calls_among_other_calls_keep_issue_order(comm):
+    n, r = comm.size, comm.rank
+    total = n * (n + 1) // 2
+    x = np.full((2, 3), r + 1, np.int64)  # 2-D: reduced through its flat view
+    big = np.ones(300_000, np.int64)  # beyond the small messages
+    y = np.full(3, float(r), np.float64)
+    works = [comm.all_reduce(x, async_op=True),  # x -> total
+             comm.all_reduce(big, async_op=True),
+             comm.all_reduce(x, op="prod", async_op=True),  # -> total ** n (n! if run first)
+             comm.all_reduce(y, op="avg", async_op=True)]
+    z = np.zeros(2, np.int64)
+    posted = [comm.send(np.full(2, r, np.int64), (r + 1) % n, async_op=True),
+              comm.recv(z, (r - 1) % n, async_op=True)]
+    works.append(comm.all_reduce(x, op="max", async_op=True))  # behind posted messages
+    assert comm.all_reduce(np.array([1]))[0] == n  # a synchronous call runs after them all
+    assert all(w.is_completed() for w in works)
+    for w in posted:
+        w.wait(timeout=30)
+    results = [x, big, x, y, x]
+    assert [w.wait(timeout=0) is a for w, a in zip(works, results, strict=True)] == [True] * 5
+    assert works[0].result() is x and (x == total ** n).all() and x.shape == (2, 3)
+    assert (big == n).all() and (y == (n - 1) / 2).all() and (z == (r - 1) % n).all()
+    b = np.full((3, 2), r, np.int16)
+    casts = [comm.broadcast(b, root=n - 1, async_op=True),  # b -> n - 1 everywhere
+             comm.all_reduce(b, async_op=True),  # -> n * (n - 1): after the broadcast
+             comm.broadcast(b, root=0, async_op=True)]  # the same on every rank by then
+    assert casts[2].wait() is b and (b == n * (n - 1)).all() and casts[0].is_completed()
+
+
 def async_work_returns_the_result_array(comm):
     work = comm.all_gather(np.array([comm.rank]), async_op=True)
     out = work.wait()
@@ -134,6 +163,7 @@ def bad_arguments_leave_the_group_usable(comm):
 
 SCENARIOS = [
     async_ops_complete_in_issue_order,
+    small_async_calls_among_other_calls_keep_issue_order,
     async_work_returns_the_result_array,
     sync_call_sees_earlier_async_results,
     async_validation_errors_raise_at_the_call,
@@ -216,6 +246,17 @@ def test_one_rank_world_needs_no_store_or_launcher():
         assert comm.scatter(np.arange(3).reshape(1, 3)).tolist() == [0, 1, 2]
         store = comm._owned_store
     assert store._closed  # the communicator closes the store it created
+    gpucoll.close()
+
+
+def test_an_async_all_reduce_of_one_rank_is_complete_when_issued_and_keeps_the_values():
+    with gpucoll.init("ring", rank=0, world_size=1) as comm:
+        x = np.arange(4.0)
+        for op in ("avg", "sum"):  # the first call of an op and dtype has them checked in full
+            comm.all_reduce(x, op=op)
+        works = [comm.all_reduce(x, op="avg", async_op=True), comm.all_reduce(x, async_op=True)]
+        assert [w.is_completed() for w in works] == [True, True]  # no hand-off to a thread
+        assert all(w.wait(timeout=0) is x for w in works) and x.tolist() == [0.0, 1.0, 2.0, 3.0]
     gpucoll.close()
 
 

@@ -8,20 +8,20 @@ are output or diagrams and never run. HTML comments right before a block say how
   several hosts, the network, or many minutes);
 - ``<!-- gpu -->``: run only where CUDA exists (the ``gpu`` marker skips it elsewhere);
 - ``<!-- ranks: N -->``: a Python script run on N ranks by ``gpucoll run -n N``;
-- ``<!-- comm: N -->``: Python run on each of N ranks of the host ring with ``comm`` (that
-  rank's communicator), ``np`` and ``gpucoll`` defined;
 - ``<!-- file: NAME -->``: the content of the file NAME, which later blocks of the page use;
 - ``<!-- timeout: S -->``: seconds the block may take (default 120).
 
-A Python block without ``ranks`` or ``comm`` runs as ``python block.py``. Every block runs in a
-fresh directory holding the repository's ``examples``, ``benchmarks``, ``tests`` and ``docker``
-(linked, read only by convention), empty ``docs`` and ``results`` folders, the page's files, and
-``train.py``, ``mypackage.train`` and ``buggy.py``, the stand-ins for "your script" that the
-launcher's page names.
+A Python block without ``ranks`` runs as ``python block.py``. Every block that runs is whole,
+as a reader would copy it: a Python block that uses a communicator ``comm`` makes it itself.
+Every block runs in a fresh directory holding the repository's ``examples``, ``benchmarks``,
+``tests`` and ``docker`` (linked, read only by convention), empty ``docs`` and ``results``
+folders, the page's files, and ``train.py``, ``mypackage.train`` and ``buggy.py``, the stand-ins
+for "your script" that the launcher's page names.
 """
 
 from __future__ import annotations
 
+import ast
 import dataclasses
 import os
 import re
@@ -29,7 +29,6 @@ import shlex
 import signal
 import subprocess
 import sys
-import textwrap
 import unicodedata
 from pathlib import Path
 
@@ -40,7 +39,7 @@ pytestmark = pytest.mark.slow  # every code block of the docs
 ROOT = Path(__file__).resolve().parent.parent
 PAGES = [ROOT / "README.md", *sorted((ROOT / "docs").glob("*.md"))]
 LANGUAGES = {"python", "bash", "console", "text"}
-KEYS = {"not run", "gpu", "ranks", "comm", "file", "timeout"}
+KEYS = {"not run", "gpu", "ranks", "file", "timeout"}
 LINKED = ("examples", "benchmarks", "tests", "docker")
 
 # "your script" of the launcher's page: any arguments, one all_reduce, a line from rank 0
@@ -134,20 +133,6 @@ def console_script(block: Block) -> str:
     return "\n".join(script) + "\n"
 
 
-def comm_script(block: Block) -> str:
-    """A rank script that runs the block with this rank's communicator as ``comm``."""
-    return textwrap.dedent(f"""\
-        import numpy as np
-
-        import gpucoll
-
-        CODE = {block.code!r}
-        with gpucoll.init("ring", timeout=60) as comm:
-            exec(compile(CODE, {block.name!r}, "exec"),
-                 {{"comm": comm, "np": np, "gpucoll": gpucoll, "__name__": "__main__"}})
-        """)
-
-
 def workdir(block: Block, path: Path) -> Path:
     """A fresh directory laid out as the docs assume, with the page's files in it."""
     for name in LINKED:
@@ -190,9 +175,6 @@ def script_of(block: Block, cwd: Path) -> str:
         return console_script(block)
     if "file" in block.marks:  # a file the page uses: it must at least compile
         return f"python -m py_compile {shlex.quote(block.marks['file'])}\n"
-    if "comm" in block.marks:
-        (cwd / "_block.py").write_text(comm_script(block))
-        return f"python -m gpucoll run -n {int(block.marks['comm'])} _block.py\n"
     (cwd / "_block.py").write_text(block.code)
     if "ranks" in block.marks:
         return f"python -m gpucoll run -n {int(block.marks['ranks'])} _block.py\n"
@@ -233,8 +215,17 @@ def test_every_block_says_how_it_runs(block: Block):
         assert not block.code.startswith("$ "), f"{block.name}: commands belong in console"
     if block.lang == "console":
         assert block.code.startswith("$ "), f"{block.name}: a console block starts with $"
-    if {"ranks", "comm"} & set(block.marks):
-        assert block.lang == "python", f"{block.name}: ranks/comm mark Python blocks"
+    if "ranks" in block.marks:
+        assert block.lang == "python", f"{block.name}: ranks marks Python blocks"
+
+
+@pytest.mark.parametrize("block", [b for b in BLOCKS if b.runs and b.lang == "python"],
+                         ids=lambda b: b.name)
+def test_a_python_block_that_uses_comm_makes_it(block: Block):
+    """A reader copies a block whole: a ``comm`` it never makes is a NameError for them."""
+    uses = re.search(r"\bcomm\.", block.code)
+    makes = re.search(r"^\s*(comm\s*=|with .* as comm\b)", block.code, re.M)
+    assert not uses or makes, f"{block.name}: uses comm without making it (gpucoll.init())"
 
 
 @pytest.mark.parametrize("block", [b for b in BLOCKS if "file" in b.marks],
@@ -244,6 +235,34 @@ def test_every_file_block_is_used_by_a_later_block(block: Block):
              and "file" not in b.marks]
     assert any(block.marks["file"] in b.code for b in later), (
         f"{block.name}: no later block of the page runs {block.marks['file']}")
+
+
+def _variables_named_in(package: Path) -> dict[str, str]:
+    """Every GPUCOLL_* name that appears as a whole string in the package's code (what it reads
+    from, or sets in, the environment), with a module that names it."""
+    found = {}
+    for path in sorted(package.rglob("*.py")):
+        for node in ast.walk(ast.parse(path.read_text())):
+            if isinstance(node, ast.Constant) and isinstance(node.value, str) \
+                    and re.fullmatch(r"GPUCOLL_[A-Z0-9_]+", node.value):
+                found.setdefault(node.value, str(path.relative_to(ROOT)))
+    return found
+
+
+def _variables_in_the_table() -> set[str]:
+    """The variables of api.md's table of environment variables (its first column)."""
+    text = (ROOT / "docs" / "api.md").read_text()
+    section = text.split("## Environment variables", 1)[1].split("\n## ", 1)[0]
+    rows = [line.split("|")[1] for line in section.splitlines() if line.startswith("| `")]
+    return {name for cell in rows for name in re.findall(r"`(GPUCOLL_[A-Z0-9_]+)`", cell)}
+
+
+def test_every_environment_variable_the_package_reads_is_in_the_table():
+    named, table = _variables_named_in(ROOT / "gpucoll"), _variables_in_the_table()
+    assert len(named) >= 20  # the scan finds them (os.environ.get("GPUCOLL_..."), constants)
+    missing = {name: where for name, where in named.items() if name not in table}
+    assert not missing, f"not in docs/api.md's table of environment variables: {missing}"
+    assert table <= set(named), f"in the table, never read: {table - set(named)}"
 
 
 def test_the_readme_quickstart_runs_as_the_readme_says(tmp_path):

@@ -49,10 +49,19 @@ BAD_CALLS = [
      r"reduce_scatter on rank 1 of 4: out must be C-contiguous"),
     ("out overlapping x", lambda c: c.all_to_all(SLOTS, out=SLOTS), ValueError,
      r"all_to_all on rank 1 of 4: out shares memory with the input"),
-    ("not an array", lambda c: c.all_reduce([1.0, 2.0]), TypeError,
-     r"all_reduce on rank 1 of 4: x must be an array .* got list"),
+    ("a list", lambda c: c.all_reduce([1.0, 2.0]), TypeError,
+     r"all_reduce on rank 1 of 4: x must be an array .* got list: make it one with "
+     r"numpy.asarray\(x\) \(cupy.asarray\(x\) for device memory\) and keep that array"),
+    ("a tuple, async", lambda c: c.broadcast((1, 2), async_op=True), TypeError,
+     r"broadcast on rank 1 of 4: x must be an array .* got tuple: make it one with "
+     r"numpy.asarray\(x\)"),
+    ("a list as out", lambda c: c.all_gather(X, out=[0.0] * 32), TypeError,
+     r"all_gather on rank 1 of 4: out must be an array .* got list: .*numpy.asarray\(out\)"),
+    ("a list among many arrays", lambda c: c.all_reduce_many([X.copy(), [1.0]]), TypeError,
+     r"all_reduce_many on rank 1 of 4: arrays\[1\] must be an array .* "
+     r"numpy.asarray\(arrays\[1\]\)"),
     ("None as x", lambda c: c.broadcast(None), TypeError,
-     r"broadcast on rank 1 of 4: x must be an array .* got NoneType"),
+     r"broadcast on rank 1 of 4: x must be an array .* got NoneType$"),  # no asarray hint
     ("bitwise op on floats", lambda c: c.all_reduce(X.copy(), op="band"), TypeError,
      r"all_reduce on rank 1 of 4: op='band' needs an integer or bool dtype, got float32"),
     ("avg on integers", lambda c: c.reduce_scatter(np.zeros((4, 1), np.int32), op="avg"),

@@ -239,6 +239,48 @@ def test_a_rank_killed_mid_collective_is_named_by_every_survivor(store_addr, tra
     _check_rank_1_killed_in_an_all_reduce(outcomes)
 
 
+def _killed_before_small_async_all_reduce(rank, n, addr):
+    side = _side(addr)
+    with _open(rank, n, addr) as comm:
+        _barrier_then_die(comm, side, 1)
+        work = comm.all_reduce(np.ones(4, np.float32), async_op=True)  # issued without error
+        try:
+            work.wait()
+        except GpucollError as exc:
+            return _outcome(exc, side)
+
+
+@pytest.mark.parametrize("transport", TRANSPORTS)
+@pytest.mark.parametrize("n", WORLDS)
+def test_a_rank_killed_before_a_small_async_all_reduce_fails_its_wait_naming_it_fast(
+        store_addr, transport, n):
+    outcomes = spawn(_killed_before_small_async_all_reduce, n, store_addr, env=_env(transport),
+                     check=False)
+    _check_rank_1_killed_in_an_all_reduce(outcomes)
+
+
+def _root_killed_before_small_async_broadcast(rank, n, addr):
+    side = _side(addr)
+    with _open(rank, n, addr) as comm:
+        _barrier_then_die(comm, side, 1)
+        work = comm.broadcast(np.ones(4, np.float32), root=1, async_op=True)
+        try:
+            work.wait()
+        except GpucollError as exc:
+            return _outcome(exc, side)
+
+
+@pytest.mark.parametrize("transport", TRANSPORTS)
+@pytest.mark.parametrize("n", WORLDS)
+def test_a_root_killed_before_a_small_async_broadcast_fails_its_wait_naming_it_fast(
+        store_addr, transport, n):
+    outcomes = spawn(_root_killed_before_small_async_broadcast, n, store_addr,
+                     env=_env(transport), check=False)
+    assert outcomes[1].exitcode == -signal.SIGKILL
+    for o in outcomes[:1] + outcomes[2:]:
+        _check(o, PeerFailure, 1, "broadcast #", "rank 1")
+
+
 @pytest.mark.parametrize("transport", SHM_KINDS)
 def test_a_rank_killed_before_an_all_reduce_through_the_outboxes_is_named_by_every_survivor(
         store_addr, transport):

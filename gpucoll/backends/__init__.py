@@ -83,7 +83,8 @@ class Backend(abc.ABC):
     size: int
     # the backend that serves flat NumPy arrays through ``host_all_reduce(x, op, seq, timeout)``
     # and ``host_broadcast(x, root, seq, timeout)``, the communicator's lean path for the common
-    # calls (None: every call takes the general path)
+    # calls, and async all_reduces through ``can_start(x, op)`` and ``start_all_reduce(x, op,
+    # seq, timeout)`` (None: every call takes the general path)
     lean: Backend | None = None
 
     @property

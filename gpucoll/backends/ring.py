@@ -431,14 +431,81 @@ class RingBackend(GroupedRing, Backend):
         self._all_reduce(x, op, hdr, timeout, _CallName("all_reduce", _ALL_REDUCE, seq),
                          done is None)
 
+    def can_start(self, x: np.ndarray, op: ReduceOp | None = None) -> bool:
+        """Whether an async all_reduce (with its ``op``) or broadcast (``op`` None) of the host
+        array ``x`` may start on the issuing thread (``start_all_reduce``, ``start_broadcast``):
+        nothing queued before it, and no peers, or one small message per peer through the
+        compiled exchange (which folds ``op``) and nothing else on the engine."""
+        if self._inflight or os.getpid() != self._pid:
+            return False
+        if self.size == 1:
+            return self._error is None and not self._closed  # nothing to exchange
+        return (0 < x.nbytes <= self._small_bytes and self._engine.native is not None
+                and (op is None or self._native_fold(op, x.dtype) is not None)
+                and self._idle_engine())
+
+    def start_all_reduce(self, x: np.ndarray, op: ReduceOp, seq: int,
+                         timeout: float) -> Callable[[], None] | None:
+        """Start an async all_reduce of the flat host array ``x`` as collective ``seq`` on this
+        thread, where ``can_start`` said it may: this rank's messages go out and the peers'
+        are awaited briefly (as a synchronous call first does). None when the call finished
+        here; else the rest of it, to queue at once with ``run_async``. Handing a small call
+        to the worker thread costs more than the call (a thread wake-up or two)."""
+        if self.size == 1:
+            return None  # x / 1 is x for avg
+        hdr = algos.frame(_ALL_REDUCE, seq, x.dtype, x.size, -1, op)
+        done = self._native_all_reduce(x, op, hdr)
+        if done is True:
+            return None
+        return functools.partial(self._all_reduce, x, op, hdr, timeout,
+                                 _CallName("all_reduce", _ALL_REDUCE, seq), done is None)
+
+    def start_broadcast(self, x: np.ndarray, root: int, seq: int,
+                        timeout: float) -> Callable[[], None] | None:
+        """``start_all_reduce`` for a broadcast of the flat host array ``x`` from ``root``:
+        root puts its messages out (done, unless a ring is full); another rank takes root's
+        message if it comes within the short wait. None when the call finished here; else the
+        whole of it, to queue at once with ``run_async``."""
+        if self.size == 1:
+            return None
+        hdr = algos.frame(_BROADCAST, seq, x.dtype, x.size, root)
+        if self._native_broadcast(x, root, hdr):
+            return None
+        return functools.partial(self._broadcast, x, root, hdr, timeout,
+                                 _CallName("broadcast", _BROADCAST, seq))
+
+    def _native_broadcast(self, x: np.ndarray, root: int, hdr: bytes) -> bool:
+        """The small broadcast in one compiled call where it can finish there: True when done;
+        False when nothing was done (a ring full, root's message not come, a peer that left,
+        the engine held), which the small path then does whole."""
+        state, engine = self._state, self._engine
+        if state.closed_peers or state.ended or not self._lock.acquire(False):
+            return False  # the small path says which peer left
+        try:
+            if self.rank == root:
+                return engine.native.swap(self._peer_links, (), _bytes(x), hdr, None,
+                                          0, 0) is not False
+            link = self._mesh.links[root]
+            found = engine.native.swap((), (link,), _bytes(x), hdr, None, *engine.native_wait)
+            if type(found) is not list:
+                return False
+            np.copyto(x, link.rx.typed(found[0], x.dtype, x.size))
+            link.release(x.nbytes + algos.FRAME.size)
+            return True
+        finally:
+            self._lock.release()
+
     def host_broadcast(self, x: np.ndarray, root: int, seq: int, timeout: float) -> None:
         """broadcast of the flat host array ``x`` as collective ``seq``."""
         if self._inflight:
             self.run_sync(_nothing)
         if self.size == 1 and self._error is None:
             return
-        self._broadcast(x, root, algos.frame(_BROADCAST, seq, x.dtype, x.size, root), timeout,
-                        _CallName("broadcast", _BROADCAST, seq))
+        hdr = algos.frame(_BROADCAST, seq, x.dtype, x.size, root)
+        if self._engine.native is not None and 0 < x.nbytes <= self._small_bytes \
+                and self._idle_engine() and self._native_broadcast(x, root, hdr):
+            return
+        self._broadcast(x, root, hdr, timeout, _CallName("broadcast", _BROADCAST, seq))
 
     def _native_all_reduce(self, x: np.ndarray, op: ReduceOp, hdr: bytes) -> bool | None:
         """The small path in one compiled call (put, a short wait, the fold in rank order,

@@ -23,6 +23,7 @@ from gpucoll.errors import LaunchError, StoreError
 from gpucoll.launch.config import LaunchConfig, bindings, validate, visible_gpus
 from gpucoll.launch.supervisor import Job, RemoteAbort, console, signals_to
 from gpucoll.rendezvous import LAUNCHER_ABORT, launcher_abort, read_launcher_abort, store_url
+from gpucoll.transport import shm
 
 NO_GPU_MIN_RANKS, NO_GPU_MAX_RANKS = 2, 4  # -n's default without GPUs: the cores, within these
 NO_GPU_RANKS_HELP = (f"this machine's CPU cores, at least {NO_GPU_MIN_RANKS} and at most "
@@ -107,8 +108,9 @@ def default_nproc(gpus: list[str]) -> int:
     return min(max(cores, NO_GPU_MIN_RANKS), NO_GPU_MAX_RANKS)
 
 
-def backend_line(nproc: int, given: bool, gpus: list[str]) -> str:
-    """The line the launcher prints at start: how many ranks, which backend, and why."""
+def backend_line(nproc: int, given: bool, gpus: list[str], exchange: str | None = None) -> str:
+    """The line the launcher prints at start: how many ranks, which backend, and why; and which
+    small-message exchange the ranks load (``shm.exchange``), when given."""
     why_n = "" if given else " (one per GPU)" if gpus else " (no -n given)"
     chosen = os.environ.get("GPUCOLL_BACKEND", "").strip().lower()
     if chosen and chosen != "auto":
@@ -120,7 +122,8 @@ def backend_line(nproc: int, given: bool, gpus: list[str]) -> str:
     else:
         backend = (f"backend nccl where every rank can use it, else ring "
                    f"({len(gpus)} GPU{'s' if len(gpus) > 1 else ''} found)")
-    return f"gpucoll run: {nproc} rank{'s' if nproc > 1 else ''}{why_n}, {backend}"
+    line = f"gpucoll run: {nproc} rank{'s' if nproc > 1 else ''}{why_n}, {backend}"
+    return line if exchange is None else f"{line}, small-message exchange {exchange}"
 
 
 def config_from(ns: argparse.Namespace, gpus: list[str] | None = None) -> LaunchConfig:
@@ -147,7 +150,12 @@ def main(argv: list[str] | None = None) -> int:
     except LaunchError as exc:
         out.write("stderr", f"gpucoll run: error: {exc}\n".encode())
         return 2
-    out.write("stderr", (backend_line(cfg.nproc, ns.nproc is not None, gpus) + "\n").encode())
+    package = cfg.package()
+    exchange, how = shm.exchange(package) if package else (None, None)
+    out.write("stderr", (backend_line(cfg.nproc, ns.nproc is not None, gpus, exchange)
+                         + "\n").encode())
+    if how:
+        out.write("stderr", f"gpucoll run: note: {how}\n".encode())
     if gpus and cfg.nproc > len(gpus):
         out.write("stderr", f"gpucoll run: note: {cfg.nproc} ranks share {len(gpus)} GPU(s); "
                   "NCCL needs one GPU per rank\n".encode())

@@ -16,6 +16,7 @@ rank gets from it.
 from __future__ import annotations
 
 import dataclasses
+import importlib.machinery
 import importlib.util
 import os
 import re
@@ -59,6 +60,17 @@ class LaunchConfig:
         if self.module:
             return [sys.executable, "-m", self.program, *self.args]
         return [sys.executable, self.program, *self.args]
+
+    def package(self) -> str | None:
+        """The directory of the gpucoll package the ranks will import (None: none found): the
+        first on their path, which starts with the script's directory (for ``-m``, the working
+        directory) and PYTHONPATH, so a script saved in a source tree imports that tree's."""
+        first = os.getcwd() if self.module else os.path.dirname(os.path.realpath(self.program))
+        path = [first, *filter(None, os.environ.get("PYTHONPATH", "").split(os.pathsep)),
+                *sys.path[1:]]
+        spec = importlib.machinery.PathFinder.find_spec("gpucoll", path) \
+            or importlib.util.find_spec("gpucoll")  # an editable install's own finder
+        return os.path.dirname(spec.origin) if spec is not None and spec.origin else None
 
 
 def validate(cfg: LaunchConfig, environ: dict[str, str] | None = None) -> list[str]:

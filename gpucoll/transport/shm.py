@@ -28,9 +28,11 @@ compiler is found): the same protocol, byte for byte, with explicit acquire/rele
 
 from __future__ import annotations
 
+import importlib.machinery
 import mmap
 import os
 import platform
+import sys
 
 import numpy as np
 
@@ -87,6 +89,39 @@ def ring_bytes_from_env() -> int | None:
         raise ValueError(f"GPUCOLL_SHM_RING_BYTES={raw!r}: expected the data bytes of one "
                          f"shared-memory ring, an integer >= 4096")
     return value
+
+
+def exchange(package: str | None = None) -> tuple[str, str | None]:
+    """Which small-message exchange the gpucoll package in directory ``package`` (None: this
+    process's) loads, in words, and where that is the Python one for want of the compiled one,
+    how to build it (else None). Decided from the files, so a launcher can say it of the
+    package its ranks will import."""
+    if os.environ.get("GPUCOLL_NATIVE", "1") == "0":
+        return "in Python (GPUCOLL_NATIVE=0)", None
+    here = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+    if package is None or os.path.samefile(package, here):
+        if _shmfast is not None:
+            return "compiled", None
+        package = here
+    elif compiled_in(package):
+        return "compiled", None
+    state = "does not load" if compiled_in(package) else "is not built"
+    root = os.path.dirname(package)
+    if os.path.exists(os.path.join(root, "pyproject.toml")):  # a source tree
+        how = f"build it once with: {sys.executable} -m pip install -e {root}"
+    else:
+        how = ("pip found no C compiler or Python headers when it installed gpucoll: install "
+               "them (e.g. gcc and python3-dev), then reinstall gpucoll")
+    return (f"in Python (the compiled one {state} in {package})",
+            f"small messages on shared memory take 3-4x longer without the compiled exchange; "
+            f"{how}")
+
+
+def compiled_in(package: str) -> bool:
+    """Whether the gpucoll package in directory ``package`` holds the compiled exchange built
+    for this Python."""
+    base = os.path.join(package, "transport", "_shmfast")
+    return any(os.path.exists(base + suffix) for suffix in importlib.machinery.EXTENSION_SUFFIXES)
 
 
 def _align16(n: int) -> int:
