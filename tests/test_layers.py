@@ -1,4 +1,4 @@
-"""The layering of DESIGN.md, checked on the imports of every module of the package.
+"""The layering of docs/code.md, checked on the imports of every module of the package.
 
 Data flows down, never back up::
 
@@ -6,8 +6,9 @@ Data flows down, never back up::
       >  transport  >  store (with rendezvous, the store's bootstrap)  >  leaf utilities
 
 A module may import its own layer and the layers below it. Leaf utilities (errors, ops, arrays,
-work, cuda) import only each other. Topology stands apart: it imports nothing of the collective
-layers, and only the layers that run collectives (backends and up) may ask it for a ring order.
+work, cuda, progress) import only each other. Topology stands apart: it imports nothing of the
+collective layers, and only the layers that run collectives (backends and up) may ask it for a
+ring order.
 Every ``import`` counts, those inside functions too: a lazy import is still a dependency.
 """
 
@@ -176,3 +177,32 @@ def test_each_package_names_its_modules_in_its_docstring(package):
                if not p.stem.startswith("__")}
     named = set(re.findall(r"``(\w+)``", doc.split("Modules:", 1)[1]))
     assert modules - named == set()
+
+
+def code_md_modules() -> tuple[set[str], str]:
+    """The files docs/code.md's module tree names (paths under gpucoll/), and its first line."""
+    text = (ROOT / "docs" / "code.md").read_text().split("## Modules", 1)[1]
+    tree = text.split("```text\n", 1)[1].split("```", 1)[0].splitlines()
+    found, folders = set(), []
+    for line in tree[1:]:
+        entry = re.match(r"^( +)([\w.]+(?:\.py|\.c|/))(?:\s|$)", line)
+        if not entry:
+            continue  # a description carried over to the next line
+        depth = len(entry.group(1)) // 2 - 1
+        del folders[depth:]
+        if entry.group(2).endswith("/"):  # a package: its line stands for its __init__.py
+            folders.append(entry.group(2))
+            found.add("".join(folders) + "__init__.py")
+        else:
+            found.add("".join(folders) + entry.group(2))
+    return found, tree[0]
+
+
+def test_docs_code_md_names_every_module_and_no_other():
+    """docs/code.md is the map of the code: one line for each module, none for a module gone."""
+    on_disk = {p.relative_to(PACKAGE).as_posix() for p in PACKAGE.rglob("*")
+               if p.suffix in (".py", ".c") and "__pycache__" not in p.parts}
+    named, header = code_md_modules()
+    assert (sorted(on_disk - named), sorted(named - on_disk)) == ([], [])
+    python = len([m for m in on_disk if m.endswith(".py")])
+    assert f"{python} Python modules" in header

@@ -768,7 +768,7 @@ class RingBackend(GroupedRing, Backend):
     def _run_through(self, ticket: int) -> None:
         """Run the queued calls up to ticket ``ticket`` on this thread, a caller waiting for
         that call: cheaper than waking the worker and sleeping until it is done (two thread
-        wake-ups a call, each up to 100 us on a virtual machine with idle cores)."""
+        wake-ups a call, each of which can cost tens of microseconds where cores sit idle)."""
         if threading.current_thread() is self._worker:
             return
         if os.getpid() != self._pid:  # the rings are the parent's: running a call would tangle them

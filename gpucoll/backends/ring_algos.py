@@ -39,8 +39,8 @@ from gpucoll.transport.shm import FOLDED, FRAME_MAGIC, STAGED, TAKEN, WHOLE
 DIRECT_BYTES = 64 << 10
 DIRECT_TOTAL = 1 << 20  # ... and at most this many bytes sent by one rank in that round
 # on shared memory the round reads the peers' messages in place, and one round instead of the
-# ring's 2(n-1) pays for more bytes sent when ranks share cores: a rank puts up to this many
-# (4 ranks on 2 cores, 512 KiB all_reduce: 410-640 us in one round, 840-1100 in the ring)
+# ring's 2(n-1) pays for more bytes sent when ranks share cores (at 4 ranks on 2 cores a 512 KiB
+# all_reduce takes about half the ring's time): a rank puts up to this many
 IN_PLACE_TOTAL = 2 << 20
 CHAIN_CHUNK = 4 << 20  # bytes per round of the reduce chain (its scratch size)
 

@@ -100,7 +100,7 @@ enum { T_I8, T_U8, T_I16, T_U16, T_I32, T_U32, T_I64, T_U64, T_F32, T_F64, T_TYP
    all ranks get the same bits. U is the unsigned twin used for wrapping integer arithmetic.
    A block at a time: every value's block is read before out's is written (out may be any of
    them), and each pass is a plain loop over elements, which the compiler turns into vector
-   instructions (one loop over values per element measured 2-3x slower at 128 KiB). */
+   instructions (one loop over the values for each element would not vectorise). */
 #define FOLD_BLOCK 1024
 #define FOLD(T, U, EXPR)                                                                     \
     do {                                                                                     \
@@ -287,8 +287,8 @@ static int fold_in_rank_order(long rank, long code, Side *rx, Py_ssize_t nrx, Py
 }
 
 /* Wait for the message on every link of rx (GIL released): spin for spin_ns, then yield the
-   core between looks for yield_ns (sleeping is left to the caller's loop: on shared cores,
-   waking through the doorbell measured slower than yielding). Returns how many links still
+   core between looks for yield_ns (sleeping is left to the caller's loop: on shared cores a
+   wake-up through the doorbell costs more than yielding). Returns how many links still
    lack their message. */
 static Py_ssize_t await_all(Side *rx, Py_ssize_t nrx, int64_t n, int64_t spin_ns,
                             int64_t yield_ns) {

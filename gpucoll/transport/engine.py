@@ -289,8 +289,8 @@ class Engine:
     def _set_policy(self, crowded: bool) -> None:
         """Long spins when every rank has a core; when cores are short (our ranks or other
         processes), spin a little, then yield the core to whoever we wait for, then sleep.
-        (Yielding longer would give whole time slices to unrelated processes; with only this
-        job's ranks crowding the cores, yielding for 1 ms instead measured no faster.)"""
+        (Yielding longer would give whole time slices to unrelated processes, and gains
+        nothing when only this job's ranks crowd the cores.)"""
         self.spin_s = 5e-6 if crowded else SPIN_S
         self.yield_s = self.spin_s + YIELD_S if crowded else 0.0
         # the compiled exchange's wait before the loop below takes over: spin, yield (ns)

@@ -37,9 +37,9 @@ the three (UCC's TL/NCCL all-gather-v, openucx/ucc#347: one node, 8 GPUs, sizes 
 gives them): a group of broadcasts, one per rank (what PyTorch and vLLM use), was fastest up to
 512 KiB; a group of sends and receives from 1 to 4 MiB; one all-gather padded to the largest
 rank's size, then compacted, from 8 MiB on (1.9x the sends and receives at 128 MiB). The padded
-form is skipped when padding would move much more than the data (very uneven sizes). None of the
-three has been timed on a GPU here. The uneven reduce-scatter is a group of reduces, one per
-rank, each to the rank that owns the slot.
+form is skipped when padding would move much more than the data (very uneven sizes). The
+thresholds are that table's; machines with other links may favour other ones. The uneven
+reduce-scatter is a group of reduces, one per rank, each to the rank that owns the slot.
 
 ``backend="auto"`` (``agree``) picks NCCL where it works for every rank, else the host ring: each
 rank judges itself (CuPy, a CUDA device, nccl4py and its library, which GPU it would drive) and
