@@ -178,8 +178,10 @@ def absent_from_monitored_barrier(rank: int, n: int, addr: str, dies: bool) -> t
         except gpucoll.GpucollError:
             pass
         return ("absent", "", None)
+    store.set(f"test/ready/{rank}", b"1")  # ranks 0 and 1 come together, however loaded the
+    store.wait(["test/ready/0", "test/ready/1"], timeout=60)  # machine: only rank 2 is missing
     try:
-        c.monitored_barrier(timeout=2.0)
+        c.monitored_barrier(timeout=3.0)
         return ("ok", "", None)
     except gpucoll.GpucollError as exc:
         return (type(exc).__name__, str(exc), exc.peer)
