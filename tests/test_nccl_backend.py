@@ -240,6 +240,45 @@ def test_emulation_makes_a_non_blocking_init_return_in_progress_until_the_peers_
     second.abort()
 
 
+def test_emulation_lets_nccl_comm_blocking_override_the_config_read_once_per_process(
+        rt, monkeypatch):
+    nc = rt.nccl()
+    monkeypatch.setenv("NCCL_COMM_BLOCKING", "1")
+    assert nc.blocking(nc.NCCLConfig(blocking=False)) is True  # the variable wins
+    monkeypatch.setenv("NCCL_COMM_BLOCKING", "0")  # read once: later changes are not seen
+    assert nc.blocking(nc.NCCLConfig(blocking=False)) is True
+    assert nc.blocking(None, inherited=False) is True
+
+
+def test_emulation_without_nccl_comm_blocking_follows_the_config(rt, monkeypatch):
+    monkeypatch.delenv("NCCL_COMM_BLOCKING", raising=False)
+    nc = rt.nccl()
+    assert nc.blocking(nc.NCCLConfig(blocking=False)) is False
+    assert nc.blocking(None) is True and nc.blocking(None, inherited=False) is False
+
+
+def test_nccl_comm_blocking_1_refuses_the_nccl_backend_before_anything_waits(
+        rt, store_addr, monkeypatch):
+    import gpucoll
+    from gpucoll.errors import BackendUnavailable
+
+    monkeypatch.setenv("NCCL_COMM_BLOCKING", "1")
+    start = time.monotonic()
+    with pytest.raises(BackendUnavailable, match="nccl backend: NCCL_COMM_BLOCKING=1 "
+                                                 "is set.*Unset it"):
+        gpucoll.init("nccl", rank=0, world_size=2, store=store_addr, timeout=30)
+    assert time.monotonic() - start < 5  # rank 1 never comes: a blocking start-up would wait
+
+
+def test_under_nccl_comm_blocking_1_auto_takes_the_host_ring_and_says_why(rt, monkeypatch):
+    import gpucoll
+
+    monkeypatch.setenv("NCCL_COMM_BLOCKING", "1")
+    with gpucoll.init("auto", rank=0, world_size=1) as comm:
+        assert comm.backend == "ring"
+        assert "NCCL_COMM_BLOCKING=1" in comm.backend_reason
+
+
 def test_emulation_calls_an_abort_under_a_call_of_another_thread_a_use_after_free(rt):
     nc, uid = rt.nccl(), rt.nccl().get_unique_id()
     rt.hang_timeout = 2

@@ -292,7 +292,9 @@ def register_backend(name: str, factory: Factory) -> None:
 
 
 def requested_name(backend: Any) -> str:
-    """Validate the ``backend=`` argument; "auto" defers to GPUCOLL_BACKEND when that is set."""
+    """Validate the ``backend=`` argument; "auto" defers to GPUCOLL_BACKEND when that is set.
+    A backend this process can be told at once it cannot use (nccl under
+    NCCL_COMM_BLOCKING=1) is refused here, before the rank waits for anyone."""
     if not isinstance(backend, str) or backend.lower() not in {"auto", *FACTORIES}:
         names = ", ".join(repr(n) for n in ("auto", *FACTORIES))
         raise ValueError(f"backend={backend!r} is not a backend; expected one of {names}")
@@ -301,6 +303,12 @@ def requested_name(backend: Any) -> str:
         env = os.environ.get("GPUCOLL_BACKEND", "").strip().lower()
         if env and env != "auto":
             return requested_name(env)
+    if backend == "nccl":
+        from gpucoll.backends.nccl.driver import forced_blocking
+
+        forced = forced_blocking()
+        if forced:
+            raise BackendUnavailable(f"nccl backend: {forced}")
     return backend
 
 

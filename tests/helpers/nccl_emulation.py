@@ -122,6 +122,22 @@ class EmulatedNccl:
         self._local = threading.local()
         self.Communicator = type("Communicator", (Communicator,), {"_rt": rt, "_module": self})
         self.handles: weakref.WeakValueDictionary = weakref.WeakValueDictionary()
+        self._env_blocking: int | None = None
+
+    def blocking(self, config: Any, inherited: bool | None = None) -> bool:
+        """Whether a communicator made with ``config`` blocks. NCCL_COMM_BLOCKING=0 or 1
+        overrides the config (NCCL's src/init.cc, envConfigOverride: ``if (blockingEnv == 0 ||
+        blockingEnv == 1) comm->config.blocking = blockingEnv``), read once per process and
+        kept (src/include/param.h: NCCL_PARAM caches its first read). Without either, a
+        communicator blocks (NCCL's default), and a split's child inherits its parent's."""
+        if self._env_blocking is None:
+            raw = os.environ.get("NCCL_COMM_BLOCKING", "").strip()
+            self._env_blocking = int(raw) if raw.lstrip("-").isdigit() else -1
+        if self._env_blocking in (0, 1):
+            return bool(self._env_blocking)
+        if config is not None and config.blocking is not None:
+            return config.blocking is not False
+        return True if inherited is None else inherited
 
     def group(self) -> list | None:
         """The calls of the group this thread is inside, if any."""
@@ -267,8 +283,7 @@ class Communicator:
         if len(raw) != 128 or not 0 <= rank < nranks:
             raise NCCLError(INVALID_ARGUMENT)
         comm = cls()
-        blocking = config is None or config.blocking is not False
-        comm._setup(nranks, rank, raw, blocking, cls._rt.current_device())
+        comm._setup(nranks, rank, raw, cls._module.blocking(config), cls._rt.current_device())
         comm._meanwhile("init", comm._join)
         return comm
 
@@ -470,7 +485,7 @@ class Communicator:
             child._valid, child._state, child._inside = True, IN_PROGRESS, {}
             child._aborted, child.made_by = threading.Event(), "shrink"
             child._prefix, child._rank = f"{self._prefix}/shrink/{seq}", self._rank
-            blocking = self._blocking if config is None else config.blocking is not False
+            blocking = self._module.blocking(config, inherited=self._blocking)
 
             def work() -> None:
                 said = child._meet("members", members, repr(excluded).encode())
@@ -518,6 +533,7 @@ class Communicator:
                                 "the communicator (NCCL may deadlock)")
             self._split_seq += 1
             seq, child = self._split_seq, type(self)()
+            blocking = self._module.blocking(config, inherited=self._blocking)
             if color != -1:
                 child._valid, child._state, child._inside = True, IN_PROGRESS, {}
                 child._aborted = threading.Event()
@@ -530,7 +546,7 @@ class Communicator:
                 members = sorted((k, r) for r, (c, k) in enumerate(pairs) if c == color)
                 uid = hashlib.sha512(self._uid + f"{seq}/{color}".encode()).digest()
                 child._setup(len(members), [r for _, r in members].index(self._rank),
-                             uid + uid[:64], self._blocking, self._device)
+                             uid + uid[:64], blocking, self._device)
 
             self._meanwhile("split", work, also=child if color != -1 else None)
             return child

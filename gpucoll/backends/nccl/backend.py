@@ -72,6 +72,7 @@ from gpucoll.backends.nccl.driver import (
     Buf,
     Driver,
     failure,
+    forced_blocking,
     reduce_plan,
     translate,
     wire,
@@ -106,7 +107,10 @@ def same_stream(a: int, b: int) -> bool:
 
 def load_nccl(rt: Any, rank: int) -> tuple[Any, Any]:
     """nccl4py's ``nccl.core`` and its raw bindings through the runtime, or BackendUnavailable
-    saying why."""
+    saying why (also where NCCL_COMM_BLOCKING would make its communicators blocking)."""
+    forced = forced_blocking()
+    if forced:
+        raise BackendUnavailable(f"nccl backend on rank {rank}: {forced}")
     try:
         return rt.nccl(), rt.nccl_bindings()
     except Exception as exc:  # noqa: BLE001 - ImportError, or a library that fails to load
@@ -1110,6 +1114,9 @@ def local_verdict(rt: Any = None, *, rank: int = 0, device: Any = None) -> dict[
     ok, why = rt.available()
     if not ok:
         return {"ok": False, "why": why}
+    forced = forced_blocking()
+    if forced:
+        return {"ok": False, "why": forced}
     try:
         version = library_version(rt.nccl())
     except Exception as exc:  # noqa: BLE001 - any failure to load NCCL means "not usable"

@@ -40,6 +40,7 @@ from __future__ import annotations
 import copy
 import dataclasses
 import functools
+import os
 import threading
 import time
 from collections.abc import Callable
@@ -138,6 +139,21 @@ class Calls:
 
     def recv(self, buf: Buf, peer: int, *, stream: int) -> None:
         self._raw.recv(buf.ptr, buf.count, buf.code, peer, self._comm, stream)
+
+
+def forced_blocking(environ: Any = None) -> str | None:
+    """Why NCCL would make gpucoll's communicators blocking in this process, or None.
+    NCCL_COMM_BLOCKING=1 (common in job scripts) overrides ``NCCLConfig(blocking=False)`` inside
+    NCCL; start-up, first connections and grouped calls would then block in the driver, where
+    no deadline, watchdog or abort reaches them."""
+    env = os.environ if environ is None else environ
+    raw = env.get("NCCL_COMM_BLOCKING", "").strip()
+    if raw != "1":
+        return None
+    return ("NCCL_COMM_BLOCKING=1 is set, and NCCL lets it override gpucoll's non-blocking "
+            "communicators: their start-up and first calls would block inside NCCL, past every "
+            "deadline and abort. Unset it (or set 0) for this process; gpucoll needs no blocking "
+            "communicator")
 
 
 class Driver:
