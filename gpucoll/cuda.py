@@ -129,8 +129,14 @@ _held_lock = threading.Lock()
 
 def hold(event: Any, *objects: Any) -> None:
     """Keep ``objects`` (arrays, pinned buffers, pool blocks) referenced until ``event`` has
-    completed, so that no pool hands their memory out while queued work still uses it."""
+    completed, so that no pool hands their memory out while queued work still uses it. Each
+    call lets go of everything whose event has completed, wherever it is held: events of other
+    streams complete out of order, and one that never does must not pin what comes after."""
     with _held_lock:
+        if _held and not _done(_held[0][0]):
+            kept = [entry for entry in _held if not _done(entry[0])]
+            _held.clear()
+            _held.extend(kept)
         while _held and _done(_held[0][0]):
             _held.popleft()
         _held.append((event, objects))

@@ -457,3 +457,30 @@ def test_a_collective_on_a_capturing_stream_is_refused_before_anything_is_enqueu
     with rt.capturing(s), pytest.raises(UsageError, match="capturing a CUDA graph"):
         staged.all_reduce(as_ref(x, "x"), ReduceOp.SUM, timeout=5, stream=s)
     assert staged.inner.chunks == 0
+
+
+def test_a_held_buffer_is_let_go_once_its_event_completes_though_an_earlier_one_never_does():
+    import gc
+    import types
+    import weakref
+
+    from gpucoll import cuda
+
+    class Buffer:
+        pass
+
+    stuck, done = types.SimpleNamespace(done=False), types.SimpleNamespace(done=True)
+    first, later = Buffer(), Buffer()
+    gone = weakref.ref(later)
+    cuda.hold(stuck, first)  # an event that never completes (a stalled stream)
+    cuda.hold(done, later)
+    del later
+    pending = types.SimpleNamespace(done=False)
+    cuda.hold(pending, Buffer())  # any later hold lets go of it
+    gc.collect()
+    try:
+        assert gone() is None
+        assert any(first in objects for _, objects in cuda._held)
+    finally:
+        stuck.done = pending.done = True
+        cuda.hold(done)
