@@ -459,6 +459,39 @@ def test_a_collective_on_a_capturing_stream_is_refused_before_anything_is_enqueu
     assert staged.inner.chunks == 0
 
 
+def _counting(rt, monkeypatch, *names):
+    """Count the runtime's calls of ``names`` (allocations, copies) from here on."""
+    seen = {name: 0 for name in names}
+    for name in names:
+        real = getattr(rt, name)
+
+        def counted(*args, _real=real, _name=name, **kwargs):
+            seen[_name] += 1
+            return _real(*args, **kwargs)
+
+        monkeypatch.setattr(rt, name, counted)
+    return seen
+
+
+def test_a_numpy_collective_on_a_capturing_stream_is_refused_before_anything_is_staged(
+        rt, solo, monkeypatch):
+    s = rt.new_stream()
+    seen = _counting(rt, monkeypatch, "alloc_pinned", "alloc_device", "memcpy_async")
+    x = np.ones(1 << 16, np.float32)
+    with rt.capturing(s), pytest.raises(UsageError, match="capturing a CUDA graph"):
+        solo.all_reduce(x, stream=s)
+    assert seen == {"alloc_pinned": 0, "alloc_device": 0, "memcpy_async": 0}
+    assert solo._backend._nc.comm.calls == [] and (x == 1).all()
+
+
+def test_a_numpy_array_a_collective_writes_is_staged_through_one_pinned_buffer(
+        rt, solo, monkeypatch):
+    seen = _counting(rt, monkeypatch, "alloc_pinned")
+    x = np.arange(1 << 16, dtype=np.float32)
+    solo.all_reduce(x)
+    assert seen["alloc_pinned"] == 1 and (x == np.arange(1 << 16)).all()
+
+
 def test_a_held_buffer_is_let_go_once_its_event_completes_though_an_earlier_one_never_does():
     import gc
     import types

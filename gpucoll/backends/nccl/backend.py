@@ -238,6 +238,14 @@ class NcclBackend(Backend):
 
     # ---- plumbing -------------------------------------------------------------------------
 
+    def refuse_capture(self, opname: str, s: int) -> None:
+        """UsageError when stream ``s`` is capturing a CUDA graph, before anything is queued."""
+        if self._rt.is_capturing(s):
+            raise UsageError(
+                f"{opname} on rank {self.rank}: stream {s:#x} is capturing a CUDA graph; "
+                "the nccl backend cannot run collectives under capture (it tracks each call "
+                "with an event the host polls)")
+
     def _begin(self, opname: str, stream: Any, timeout: float, refs: tuple) -> int:
         """Check the buffers, resolve the stream and order it after the data's producers
         (the communicator's device is current)."""
@@ -246,11 +254,7 @@ class NcclBackend(Backend):
         rt = self._rt
         current = rt.current_stream()
         s = current if stream is None else rt.stream_handle(stream)
-        if rt.is_capturing(s):
-            raise UsageError(
-                f"{opname} on rank {self.rank}: stream {s:#x} is capturing a CUDA graph; "
-                "the nccl backend cannot run collectives under capture (it tracks each call "
-                "with an event the host polls)")
+        self.refuse_capture(opname, s)
         producers = [] if same_stream(current, s) else [current]
         for ref in refs:
             if ref is None:

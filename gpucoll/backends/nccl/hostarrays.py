@@ -6,7 +6,8 @@ GPU). So that the whole API works there as it does on the host ring (and as torc
 "cpu:gloo,cuda:nccl" does), an op of the backend decorated with ``host_arrays(written)`` takes
 host buffers too: each goes through pinned memory into a device buffer on the call's stream, the
 op runs on the device buffers, and the buffers it writes (the parameters named in ``written``)
-are copied back to pinned memory on the stream after it. The host copies out of pinned memory
+are copied back, on the stream after it, into the pinned buffer they came through (one pinned
+buffer per host array). The host copies out of pinned memory
 into the caller's arrays once that device work is done, within the call's deadline:
 
 - a collective returns with its host arrays written, also when started with ``async_op=True``
@@ -125,6 +126,7 @@ def _staged(backend: Any, method: Callable, bound: inspect.BoundArguments,
     rt, args = backend._rt, bound.arguments
     with rt.using_device(backend.device):
         s = rt.stream_handle(args.get("stream"))
+        backend.refuse_capture(method.__name__, s)  # before anything is allocated or queued
         backs: list[tuple[ArrayRef, ArrayRef, np.ndarray]] = []
         keep: list[Any] = []
 
@@ -171,6 +173,6 @@ def _to_device(rt: Any, ref: ArrayRef, writes: bool, s: int,
         np.copyto(pinned, ref.host.view(np.uint8))
         rt.memcpy_async(device.ptr, pinned.ctypes.data, ref.nbytes, s)
     keep.append(pinned)
-    if writes:
-        backs.append((ref, device, rt.alloc_pinned(ref.nbytes)))
+    if writes:  # the copy back reuses the pinned buffer: it is queued after the copy in
+        backs.append((ref, device, pinned))  # and the op on the same stream
     return device
