@@ -187,7 +187,18 @@ def get_local_rank() -> int:
     return rendezvous.local_rank(get_rank() if is_initialized() else 0)
 
 
-get_node_local_rank = get_local_rank
+def get_node_local_rank(fallback_rank: int | None = None) -> int:
+    """torch's: this process's rank on its host as the launcher set it (``LOCAL_RANK``, or
+    gpucoll's, Slurm's or MPI's variable); else ``fallback_rank``; else RuntimeError."""
+    from gpucoll import rendezvous
+
+    found = rendezvous.local_rank(-1)
+    if found >= 0:
+        return found
+    if fallback_rank is not None:
+        return fallback_rank
+    raise RuntimeError("get_node_local_rank: LOCAL_RANK is not set (nor another launcher's "
+                       "local rank); pass fallback_rank= to run without a launcher")
 
 
 def get_backend(group: Any = None) -> str:

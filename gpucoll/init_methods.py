@@ -68,6 +68,10 @@ def meet(init_method: str | None, store: Any, rank: int, world_size: int,
     ``world_size`` -1 when not passed, as in torch) and the environment. Hosts or connects to
     the store where torch would."""
     method = init_method or "env://"
+    if type(store).__module__.startswith("torch"):
+        raise ValueError(f"{FN}: store={type(store).__name__} is torch's; pass a gpucoll "
+                         f"TCPStore (gpucoll.store.TCPStore), or init_method='tcp://HOST:PORT' "
+                         f"or MASTER_ADDR and MASTER_PORT instead")
     if store is not None:
         return Meeting(*ranks(rank, world_size, "store= is passed"), store=store)
     if method.startswith("tcp://"):

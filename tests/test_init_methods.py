@@ -230,3 +230,20 @@ def test_reduce_op_is_reduce_op_with_torchs_deprecation_warning():
             theirs = getattr(torch_dist.reduce_op, name)
         assert ours is getattr(dist.ReduceOp, name)
         assert theirs == getattr(torch_dist.ReduceOp, name)
+
+
+def test_a_store_of_torchs_is_refused_naming_gpucolls(bare_env):
+    torch_dist = pytest.importorskip("torch.distributed")
+    message = _refusal(store=torch_dist.HashStore(), rank=0, world_size=1)
+    assert message.startswith("init_process_group: store=HashStore is torch's; pass a gpucoll "
+                              "TCPStore"), message
+
+
+# -- get_node_local_rank -----------------------------------------------------------------------
+
+def test_node_local_rank_comes_from_the_launcher_else_the_fallback_else_an_error(bare_env):
+    with pytest.raises(RuntimeError, match="LOCAL_RANK is not set .* pass fallback_rank="):
+        dist.get_node_local_rank()
+    assert dist.get_node_local_rank(fallback_rank=3) == 3
+    bare_env.setenv("LOCAL_RANK", "1")
+    assert dist.get_node_local_rank(fallback_rank=3) == 1
