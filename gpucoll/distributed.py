@@ -619,6 +619,15 @@ class _Handle(Work):
             then(value)
         return True
 
+    def synchronize(self, timeout: Any = None) -> None:
+        """torch's: block until the call is done (results in place, as ``wait()``)."""
+        self.wait(timeout)
+
+    def result(self) -> Any:
+        raise NotImplementedError(f"{self._label}: Work.result() is not provided by "
+                                  f"gpucoll.distributed; after wait() the results are in the "
+                                  f"tensors given to the call")
+
 
 def _result(value: Any, async_op: bool) -> Work | None:
     return _Handle(value) if async_op else None

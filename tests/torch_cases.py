@@ -164,6 +164,21 @@ def async_all_gather_fills_the_list_at_wait(dist, r, n):
 
 
 @case
+def async_all_gather_fills_the_list_at_synchronize_too(dist, r, n):
+    out = [torch.zeros(3) for _ in range(n)]
+    work = dist.all_gather(out, val(r, 3), async_op=True)
+    assert work.synchronize() is None
+    for k in range(n):
+        check(out[k], val(k, 3), f"all_gather slot {k} after synchronize")
+    try:
+        work.result()
+    except NotImplementedError as e:
+        assert "the results are in the tensors given to the call" in str(e), e
+    else:
+        raise AssertionError("Work.result() returned")
+
+
+@case
 def all_gather_into_tensor_concatenates_or_stacks(dist, r, n):
     flat = torch.zeros(n * 6)
     dist.all_gather_into_tensor(flat, val(r))
