@@ -303,34 +303,58 @@ def all_gather(tensor_list: list, tensor: Any, group: Any = None,
     return _then(got, async_op, lambda parts: _fill(outs, parts))
 
 
-def all_gather_into_tensor(output_tensor: Any, input_tensor: Any, group: Any = None,
-                           async_op: bool = False) -> Work | None:
+def all_gather_single(output_tensor: Any, input_tensor: Any, group: Any = None,
+                      async_op: bool = False) -> Work | None:
     """Every rank's ``input_tensor`` into ``output_tensor``, concatenated along dim 0
     (``(size * n, ...)``) or stacked (``(size, n, ...)``)."""
-    comm = _group(group, "all_gather_into_tensor")
-    if comm is None:
-        return None
-    out, x = _t(output_tensor), _t(input_tensor)
-    tiled = _layout(out, x, comm.size, "output_tensor", "all_gather_into_tensor")
-    return _result(comm.all_gather(x, tiled=tiled, out=out, async_op=async_op), async_op)
+    return _gather_single("all_gather_single", output_tensor, input_tensor, group, async_op)
+
+
+def reduce_scatter_single(output: Any, input: Any, op: Any = ReduceOp.SUM, group: Any = None,
+                          async_op: bool = False) -> Work | None:
+    """``input`` (``size`` blocks along dim 0, or stacked) reduced over the group; this rank's
+    block lands in ``output``."""
+    return _scatter_single("reduce_scatter_single", output, input, op, group, async_op)
+
+
+def all_gather_into_tensor(output_tensor: Any, input_tensor: Any, group: Any = None,
+                           async_op: bool = False) -> Work | None:
+    """``all_gather_single``'s older name, deprecated with a ``FutureWarning`` as in torch."""
+    _deprecated("all_gather_into_tensor", "all_gather_single")
+    return _gather_single("all_gather_into_tensor", output_tensor, input_tensor, group, async_op)
 
 
 def reduce_scatter_tensor(output: Any, input: Any, op: Any = ReduceOp.SUM, group: Any = None,
                           async_op: bool = False) -> Work | None:
-    """``input`` (``size`` blocks along dim 0, or stacked) reduced over the group; this rank's
-    block lands in ``output``."""
-    comm = _group(group, "reduce_scatter_tensor")
+    """``reduce_scatter_single``'s older name, deprecated with a ``FutureWarning`` as in torch."""
+    _deprecated("reduce_scatter_tensor", "reduce_scatter_single")
+    return _scatter_single("reduce_scatter_tensor", output, input, op, group, async_op)
+
+
+def _gather_single(fn: str, output_tensor: Any, input_tensor: Any, group: Any,
+                   async_op: bool) -> Work | None:
+    comm = _group(group, fn)
+    if comm is None:
+        return None
+    out, x = _t(output_tensor), _t(input_tensor)
+    tiled = _layout(out, x, comm.size, "output_tensor", fn)
+    return _result(comm.all_gather(x, tiled=tiled, out=out, async_op=async_op), async_op)
+
+
+def _scatter_single(fn: str, output: Any, input: Any, op: Any, group: Any,
+                    async_op: bool) -> Work | None:
+    comm = _group(group, fn)
     if comm is None:
         return None
     out, x = _t(output), _t(input)
-    tiled = _layout(x, out, comm.size, "input", "reduce_scatter_tensor")
-    rop = _op(op, "reduce_scatter_tensor")
-    return _result(comm.reduce_scatter(x, rop, tiled=tiled, out=out, async_op=async_op),
-                   async_op)
+    tiled = _layout(x, out, comm.size, "input", fn)
+    return _result(comm.reduce_scatter(x, _op(op, fn), tiled=tiled, out=out,
+                                       async_op=async_op), async_op)
 
 
-all_gather_single = all_gather_into_tensor  # torch 2.13's newer names for the two
-reduce_scatter_single = reduce_scatter_tensor
+def _deprecated(old: str, new: str) -> None:
+    warnings.warn(f"`dist.{old}` is deprecated (as `torch.distributed.{old}` is). Please use "
+                  f"`dist.{new}` instead.", FutureWarning, stacklevel=3)
 
 
 def reduce_scatter(output: Any, input_list: list, op: Any = ReduceOp.SUM, group: Any = None,
@@ -874,6 +898,7 @@ def _fill(outs: list, parts: list) -> None:
 
 __all__ = [
     "Backend", "GroupMember", "P2POp", "ReduceOp", "all_gather", "all_gather_into_tensor",
+    "all_gather_single", "reduce_scatter_single",
     "all_gather_object", "all_reduce", "all_to_all", "all_to_all_single", "barrier",
     "batch_isend_irecv", "broadcast", "broadcast_object_list", "destroy_process_group",
     "gather", "gather_object", "get_backend", "get_global_rank", "get_group_rank",

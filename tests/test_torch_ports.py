@@ -6,7 +6,8 @@ The programs (``tests/ports/torch/``) are small, faithful copies of what torch u
 PyTorch's tutorial "Writing Distributed Applications" (point to point, all_reduce on a group,
 synchronous SGD with ``average_gradients``), a naive data-parallel loop checked against
 training in one process, and one that overlaps its all_reduces with the backward pass through
-gradient hooks. Each starts its two ranks with torch.multiprocessing and the tutorial's
+gradient hooks; and one that makes every call docs/torch.md calls exact, on values whose every
+bit counts. Each starts its two ranks with torch.multiprocessing and the tutorial's
 MASTER_ADDR/MASTER_PORT template, on a free port. Their ranks print in any order: lines are
 compared as sorted lists.
 """
@@ -47,8 +48,8 @@ def _lines(done: subprocess.CompletedProcess) -> list[str]:
 
 
 def test_the_ports_are_the_programs_a_torch_user_writes():
-    assert SCRIPTS == ["all_reduce", "naive_ddp", "overlapping_ddp", "point_to_point",
-                       "sync_sgd"]
+    assert SCRIPTS == ["all_reduce", "every_call", "naive_ddp", "overlapping_ddp",
+                       "point_to_point", "sync_sgd"]
     for name in SCRIPTS:
         text = (PORTS / f"{name}.py").read_text()
         assert text.count(TORCH_IMPORT) == 1 and "gpucoll" not in text, name

@@ -12,6 +12,7 @@ from __future__ import annotations
 
 import re
 import traceback
+import warnings
 from collections.abc import Callable
 
 import numpy as np
@@ -193,6 +194,28 @@ def reduce_scatter_tensor_gives_each_rank_its_block(dist, r, n):
     out = torch.zeros(2)
     dist.reduce_scatter_tensor(out, val(r, 2 * n))
     check(out, sum(val(k, 2 * n) for k in range(n))[2 * r:2 * r + 2], "reduce_scatter_tensor")
+
+
+@case
+def the_older_names_of_the_single_tensor_calls_warn_as_torchs_do(dist, r, n):
+    flat, out = torch.zeros(n * 3), torch.zeros(2)
+    with warnings.catch_warnings(record=True) as seen:
+        warnings.simplefilter("always")
+        dist.all_gather_into_tensor(flat, val(r, 3))
+        dist.reduce_scatter_tensor(out, val(r, 2 * n))
+    said = [str(w.message) for w in seen if w.category is FutureWarning]
+    assert said == [
+        "`dist.all_gather_into_tensor` is deprecated (as `torch.distributed."
+        "all_gather_into_tensor` is). Please use `dist.all_gather_single` instead.",
+        "`dist.reduce_scatter_tensor` is deprecated (as `torch.distributed."
+        "reduce_scatter_tensor` is). Please use `dist.reduce_scatter_single` instead."], said
+    assert all(w.filename == __file__ for w in seen), [w.filename for w in seen]
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")  # the current names do not warn
+        dist.all_gather_single(flat, val(r, 3))
+        dist.reduce_scatter_single(out, val(r, 2 * n))
+    check(flat, torch.cat([val(k, 3) for k in range(n)]), "all_gather_single")
+    check(out, sum(val(k, 2 * n) for k in range(n))[2 * r:2 * r + 2], "reduce_scatter_single")
 
 
 @case
