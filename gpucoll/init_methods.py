@@ -31,11 +31,13 @@ from collections.abc import Mapping
 from typing import Any
 
 from gpucoll import rendezvous
-from gpucoll.errors import CollectiveTimeout, GpucollError, StoreError
+from gpucoll.errors import CollectiveTimeout, GpucollError, StoreError, StoreTimeout
 
 FN = "init_process_group"
 _LAUNCHER_STORE = ("GPUCOLL_STORE", "GPUCOLL_MASTER_ADDR", "GPUCOLL_MASTER_PORT")
-_POLL = 0.05  # seconds between looks at a file:// rendezvous file, bounded by the deadline
+_POLL = 0.05  # seconds between looks (a file:// file, a store rank 0 is closing), bounded
+_STORE_ID = "gpucoll/init_process_group/store"  # the id of a store rank 0 hosts (host_or_join)
+_met: dict[tuple[str, int], bytes] = {}  # address -> the id of the store last met there
 
 
 @dataclasses.dataclass
@@ -181,16 +183,41 @@ def _address(method: str) -> tuple[str, int]:
 
 def host_or_join(host: str, port: int, rank: int, size: int, timeout: float, named: str) -> Any:
     """Rank 0 hosts the store at ``host:port`` (``named``: how the script said where); the
-    others connect, retrying until ``timeout`` while rank 0 starts."""
+    others connect, retrying until ``timeout`` while rank 0 starts. Each store rank 0 hosts is
+    marked with a fresh id: a rank that meets again at the same address (a job that starts
+    again after ``destroy_process_group``) waits until the store there is not the one it met
+    in last time, which rank 0 may not have closed yet."""
     rdv = rendezvous.Rendezvous(rank, size, rank, size, host, port, False,
                                 os.environ.get("GPUCOLL_STORE_TOKEN") or None, FN)
-    try:
-        return rendezvous.connect_store(rdv, timeout)
-    except StoreError as exc:
-        if rank != 0:
-            raise
-        raise StoreError(f"{FN} on rank 0 of {size}: cannot host the store at {named} "
-                         f"({host}:{port}): {exc}") from None
+    if rank == 0:
+        try:
+            store = rendezvous.connect_store(rdv, timeout)
+        except StoreError as exc:
+            raise StoreError(f"{FN} on rank 0 of {size}: cannot host the store at {named} "
+                             f"({host}:{port}): {exc}") from None
+        store.set(_STORE_ID, secrets.token_hex(8))
+        return store
+    deadline = time.monotonic() + timeout
+    last = _met.get((host, port))
+    while True:
+        store = rendezvous.connect_store(rdv, max(deadline - time.monotonic(), 0.01))
+        try:
+            ident = store.get(_STORE_ID, timeout=max(deadline - time.monotonic(), 0.01))
+        except StoreTimeout:
+            store.close()
+            raise CollectiveTimeout(f"{FN} on rank {rank} of {size}: rank 0 hosts no new store "
+                                    f"at {named} ({host}:{port}) within {timeout:g} s") from None
+        except StoreError:  # the last store, closed under this rank as it looked
+            ident = last
+        if ident != last:
+            _met[(host, port)] = ident
+            return store
+        store.close()
+        if time.monotonic() >= deadline:
+            raise CollectiveTimeout(f"{FN} on rank {rank} of {size}: rank 0 hosts no new store "
+                                    f"at {named} ({host}:{port}) within {timeout:g} s: the one "
+                                    f"there is the job's last, which it did not close")
+        time.sleep(_POLL)  # rank 0 is closing the last store: a poll bounded by the deadline
 
 
 # ---- file:// -------------------------------------------------------------------------------------

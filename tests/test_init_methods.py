@@ -81,6 +81,24 @@ def test_the_tutorial_template_meets_at_master_addr_and_master_port(bare_env):
     assert got == [(3.0, 1.0, None), (3.0, 1.0, port)]
 
 
+def _again(rank: int, n: int, port: int) -> list:
+    """The tutorial's start-up, three times over in each process, at the same MASTER_PORT."""
+    os.environ["MASTER_ADDR"] = "127.0.0.1"
+    os.environ["MASTER_PORT"] = str(port)
+    got = []
+    for start in range(3):
+        dist.init_process_group("gloo", rank=rank, world_size=n, timeout=30)
+        x = np.array([float(rank + start)])
+        dist.all_reduce(x)
+        got.append(x.item())
+        dist.destroy_process_group()  # on rank 0 this closes the store the others just left
+    return got
+
+
+def test_a_job_that_starts_again_at_the_same_master_port_meets_in_the_new_store(bare_env):
+    assert spawn(_again, 2, _free_port(), timeout=90) == [[1.0, 3.0, 5.0]] * 2
+
+
 def _from_env(rank: int, n: int, port: int) -> tuple:
     os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port), RANK=str(rank),
                       WORLD_SIZE=str(n))
