@@ -36,8 +36,9 @@ from gpucoll.errors import CollectiveTimeout, GpucollError, StoreError, StoreTim
 FN = "init_process_group"
 _LAUNCHER_STORE = ("GPUCOLL_STORE", "GPUCOLL_MASTER_ADDR", "GPUCOLL_MASTER_PORT")
 _POLL = 0.05  # seconds between looks (a file:// file, a store rank 0 is closing), bounded
+_RELEASE_WAIT = 5.0  # seconds the hosting rank keeps its store up for the others at the end
 _STORE_ID = "gpucoll/init_process_group/store"  # the id of a store rank 0 hosts (host_or_join)
-_met: dict[tuple[str, int], bytes] = {}  # address -> the id of the store last met there
+_met: dict[Any, Any] = {}  # address or file -> the id (token) of the store last met there
 
 
 @dataclasses.dataclass
@@ -220,6 +221,18 @@ def host_or_join(host: str, port: int, rank: int, size: int, timeout: float, nam
         time.sleep(_POLL)  # rank 0 is closing the last store: a poll bounded by the deadline
 
 
+def release(store: Any) -> None:
+    """Close a store ``meet()`` made, at the end of the group. The rank hosting it first waits,
+    at most ``_RELEASE_WAIT`` seconds, until no other rank is connected: the others may still
+    be finishing the start-up (a program that ends its group as soon as it has it), and
+    closing the store under them would fail it."""
+    if store.is_server:
+        deadline = time.monotonic() + _RELEASE_WAIT
+        while store.clients() > 1 and time.monotonic() < deadline:
+            time.sleep(_POLL)  # a poll bounded by the deadline above
+    store.close()
+
+
 # ---- file:// -------------------------------------------------------------------------------------
 
 def _file_path(method: str) -> str:
@@ -281,13 +294,15 @@ def _read_and_join(path: str, rank: int, size: int, timeout: float) -> Any:
     seen = None
     while True:
         found = _read_published(path)
-        if found is not None:
+        if found is not None and found[2] != _met.get(path):  # not the store met last time
             seen = found
             host, port, token = found
             here = host == socket.gethostname()
             try:
-                return TCPStore("127.0.0.1" if here else host, port, token=token,
+                made = TCPStore("127.0.0.1" if here else host, port, token=token,
                                 timeout=max(min(2.0, deadline - time.monotonic()), 0.1))
+                _met[path] = token
+                return made
             except (GpucollError, OSError):
                 pass  # a file an earlier job left: rank 0 will replace it
         now = time.monotonic()

@@ -7,6 +7,7 @@ from __future__ import annotations
 
 import os
 import socket
+import threading
 import warnings
 
 import numpy as np
@@ -14,6 +15,7 @@ import pytest
 from multiproc import spawn
 
 import gpucoll.distributed as dist
+from gpucoll.errors import StoreError
 from gpucoll.store import TCPStore
 
 pytestmark = pytest.mark.timeout(120)
@@ -149,6 +151,20 @@ def test_file_init_method_meets_through_the_file_and_leaves_nothing_there(bare_e
     assert spawn(_through_file, 2, path, timeout=90)[0] == (3.0, True)  # the path serves again
 
 
+def _through_file_again(rank: int, n: int, path: str) -> list:
+    got = []
+    for _ in range(3):
+        dist.init_process_group("gloo", init_method=f"file://{path}", rank=rank, world_size=n,
+                                timeout=30)
+        got.append(dist.get_world_size())
+        dist.destroy_process_group()  # at once: rank 0 may not have removed the file yet
+    return got
+
+
+def test_file_init_method_starts_again_in_the_same_processes(bare_env, tmp_path):
+    assert spawn(_through_file_again, 2, str(tmp_path / "rdv"), timeout=90) == [[2, 2, 2]] * 2
+
+
 def test_file_init_method_gets_past_a_file_an_earlier_job_left(bare_env, tmp_path):
     path = tmp_path / "rendezvous"
     path.write_text(f"{socket.gethostname()} {_free_port()} 0123456789abcdef\n")  # nobody there
@@ -265,3 +281,34 @@ def test_node_local_rank_comes_from_the_launcher_else_the_fallback_else_an_error
     assert dist.get_node_local_rank(fallback_rank=3) == 3
     bare_env.setenv("LOCAL_RANK", "1")
     assert dist.get_node_local_rank(fallback_rank=3) == 1
+
+
+# -- the end of a group --------------------------------------------------------------------------
+
+def test_the_hosting_rank_keeps_its_store_up_until_the_others_have_left():
+    from gpucoll import init_methods
+
+    hosted = TCPStore("127.0.0.1", 0, is_server=True, timeout=10)
+    other = TCPStore("127.0.0.1", hosted.port, timeout=10)
+    closing = threading.Thread(target=init_methods.release, args=(hosted,))
+    closing.start()
+    closing.join(0.3)
+    assert closing.is_alive()  # waiting for the other rank, up to 5 s
+    other.set("still", b"served")
+    other.close()
+    closing.join(10)
+    assert not closing.is_alive()
+    with pytest.raises(StoreError):
+        TCPStore("127.0.0.1", hosted.port, timeout=0.5)  # closed once the other left
+
+
+def test_the_hosting_rank_closes_its_store_at_the_bound_when_a_rank_stays(monkeypatch):
+    from gpucoll import init_methods
+
+    monkeypatch.setattr(init_methods, "_RELEASE_WAIT", 0.2)
+    hosted = TCPStore("127.0.0.1", 0, is_server=True, timeout=10)
+    stays = TCPStore("127.0.0.1", hosted.port, timeout=10)
+    init_methods.release(hosted)
+    with pytest.raises(StoreError, match="lost the connection"):
+        stays.add("k", 1)
+    stays.close()

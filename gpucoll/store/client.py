@@ -105,6 +105,13 @@ class TCPStore:
     def is_server(self) -> bool:
         return self._server is not None
 
+    def clients(self) -> int:
+        """How many client connections the server this store hosts has open, this one
+        included (hosting rank only)."""
+        if self._server is None:
+            raise ValueError("TCPStore.clients: only the store that hosts the server knows")
+        return self._server.connections
+
     @property
     def max_value_bytes(self) -> int:
         """The server's value-size limit, learnt when connecting."""
