@@ -18,6 +18,7 @@ from gpucoll.work import Work
 
 DEFAULT_TIMEOUT = 300.0
 _default: Communicator | None = None
+_torchrun_stores = 0  # start-ups of this process through torchrun's store (_torchrun_store)
 
 
 def init(backend: str = "auto", *, rank: int | None = None, world_size: int | None = None,
@@ -139,10 +140,14 @@ def _torchrun_store(env: Any, timeout: float) -> Any:
     from gpucoll import rendezvous
     from gpucoll.progress import Waiting
 
+    global _torchrun_stores
     agent = AgentStore(os.environ.get("MASTER_ADDR", "127.0.0.1"),
                        int(os.environ["MASTER_PORT"]), is_master=False,
                        timeout=datetime.timedelta(seconds=timeout))
-    key = f"gpucoll/store-port/{env.job_id}"
+    # one key per start-up: a job that starts again (after close) must not read the port of
+    # its last store, which rank 0 closed; every rank starts up as often, in the same order
+    _torchrun_stores += 1
+    key = f"gpucoll/store-port/{env.job_id}/{_torchrun_stores}"
     if env.rank == 0:
         made = rendezvous.connect_store(dataclasses.replace(env, store_port=0), timeout)
         agent.set(key, str(made.port))

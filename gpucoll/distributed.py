@@ -7,10 +7,13 @@ returning a handle), gpucoll's implementation, checks and errors. Tensors may be
 (CPU or CUDA), NumPy or CuPy arrays, in any mix the underlying call accepts.
 
 What torch does and this does too: ``init_process_group`` reads torchrun's (or gpucoll's, Slurm's,
-MPI's) environment or an ``init_method`` of ``env://`` or ``tcp://host:port``; collectives on a
-group's non-member do nothing and warn; ``recv`` returns the sender's rank. What it refuses with an
-error instead: receiving from any source (``src=None``), message tags other than 0,
-``new_group(use_local_synchronization=True)`` or ``sort_ranks=False``, and ``PREMUL_SUM``.
+MPI's) environment, ``MASTER_ADDR``/``MASTER_PORT`` (rank 0 hosts the store there, as torch's
+TCPStore does), or an ``init_method`` of ``env://``, ``tcp://host:port`` or ``file:///path``
+(``gpucoll.init_methods``); ``reduce_op`` warns that it is deprecated, as torch's does;
+collectives on a group's non-member do nothing and warn; ``recv`` returns the sender's rank.
+What it refuses with an error instead: receiving from any source (``src=None``), message tags
+other than 0, ``new_group(use_local_synchronization=True)`` or ``sort_ranks=False``, and
+``PREMUL_SUM``.
 Outputs that torch fills in a list (``all_gather``, ``gather``, ``all_to_all``) are checked
 before the call (one per rank, the input's dtype) and copied there when it completes: at once, or
 at ``wait()`` with ``async_op=True``. torch itself is never imported here: a CPU tensor reaches
@@ -32,10 +35,13 @@ from typing import Any
 import numpy as np
 
 import gpucoll.default as _default
+from gpucoll import init_methods
 from gpucoll.arrays import as_ref, dtype_from_name, write_back
 from gpucoll.batch import P2POp as _P2P
 from gpucoll.communicator import Communicator
+from gpucoll.errors import RendezvousError
 from gpucoll.ops import ReduceOp as _Op
+from gpucoll.validation import check_timeout
 from gpucoll.work import Work
 
 
@@ -50,6 +56,23 @@ class ReduceOp:
     BAND = _Op.BAND
     BOR = _Op.BOR
     BXOR = _Op.BXOR
+
+
+class _DeprecatedReduceOp:
+    """``dist.reduce_op``: torch's deprecated spelling of ``ReduceOp``; every use warns, as
+    torch's does (a ``FutureWarning``)."""
+
+    def __init__(self) -> None:
+        for name in ("SUM", "PRODUCT", "MIN", "MAX", "AVG", "BAND", "BOR", "BXOR"):
+            setattr(self, name, getattr(ReduceOp, name))
+
+    def __getattribute__(self, key: str) -> Any:
+        warnings.warn("`dist.reduce_op` is deprecated (as `torch.distributed.reduce_op` is), "
+                      "please use `dist.ReduceOp` instead", FutureWarning, stacklevel=2)
+        return object.__getattribute__(self, key)
+
+
+reduce_op = _DeprecatedReduceOp()
 
 
 class Backend:
@@ -84,7 +107,7 @@ _BACKENDS = {"gloo": "ring", "nccl": "nccl", "cpu:gloo,cuda:nccl": "auto",
              "cuda:nccl,cpu:gloo": "auto", "undefined": "auto", "": "auto", "auto": "auto",
              "ring": "ring"}
 _members: weakref.WeakKeyDictionary = weakref.WeakKeyDictionary()  # group -> its global ranks
-_owned_store: Any = None  # the store init_process_group made for tcp://, closed with the group
+_owned_store: Any = None  # the store init_process_group made (init_methods), closed with the group
 
 
 # ---- the process group ---------------------------------------------------------------------------
@@ -93,11 +116,14 @@ def init_process_group(backend: str | None = None, init_method: str | None = Non
                        timeout: Any = None, world_size: int = -1, rank: int = -1,
                        store: Any = None, group_name: str = "", pg_options: Any = None,
                        device_id: Any = None) -> None:
-    """Join the job as ``gpucoll.init`` does; ``backend``: ``"gloo"`` (the host ring),
-    ``"nccl"``, or None/``"cpu:gloo,cuda:nccl"`` (NCCL when every rank can use it).
+    """Join the job as torch does; ``backend``: ``"gloo"`` (the host ring), ``"nccl"``, or
+    None/``"cpu:gloo,cuda:nccl"`` (NCCL when every rank can use it).
 
-    ``init_method``: None or ``env://`` (the launcher's environment), or ``tcp://host:port``
-    where rank 0 hosts the store (``rank`` and ``world_size`` given). ``store``: a gpucoll
+    ``init_method``: None or ``env://`` (gpucoll's or torchrun's launcher, else
+    ``MASTER_ADDR``/``MASTER_PORT`` where rank 0 hosts the store, else Slurm's or MPI's
+    environment), ``tcp://host:port`` (rank 0 hosts the store there) or ``file:///path`` (the
+    ranks meet through that file); ``rank``/``world_size`` not passed come from ``RANK``/
+    ``WORLD_SIZE`` or the launcher (see ``gpucoll.init_methods``). ``store``: a gpucoll
     ``TCPStore``. ``timeout``: seconds or a ``timedelta``. Collective over the job.
     """
     global _owned_store
@@ -105,18 +131,22 @@ def init_process_group(backend: str | None = None, init_method: str | None = Non
         raise RuntimeError("init_process_group: the default process group is already "
                            "initialized; call dist.destroy_process_group() first")
     name = _backend(backend)
-    seconds = _seconds(timeout, "init_process_group")
-    given = (None, None) if rank == -1 and world_size == -1 else (rank, world_size)
-    if init_method not in (None, "", "env://"):
-        if store is not None:
-            raise ValueError("init_process_group: pass init_method or store, not both")
-        store = _owned_store = _store_at(init_method, *given, seconds)
+    seconds = _start_timeout(timeout)
+    if store is not None and init_method not in (None, "", "env://"):
+        raise ValueError("init_process_group: pass init_method or store, not both")
+    met = init_methods.meet(init_method, store, rank, world_size, seconds)
+    _owned_store = met.owned
     try:
-        _default.init(name, rank=given[0], world_size=given[1], store=store, timeout=seconds,
-                      device=_device_index(device_id))
+        _default.init(name, rank=met.rank, world_size=met.world_size, store=met.store,
+                      timeout=seconds, device=_device_index(device_id))
+    except RendezvousError as exc:  # ranks that disagree: say which call they disagree in
+        _close_owned()
+        raise RendezvousError(f"init_process_group: {exc}") from None
     except BaseException:
         _close_owned()
         raise
+    finally:
+        met.joined()
 
 
 def destroy_process_group(group: Any = None) -> None:
@@ -124,7 +154,7 @@ def destroy_process_group(group: Any = None) -> None:
     if group is None or group is GroupMember.WORLD:
         _default.close()
         _members.clear()
-        _close_owned()
+        _close_owned(at_end=True)
     elif isinstance(group, Communicator):
         group.close()
 
@@ -157,7 +187,18 @@ def get_local_rank() -> int:
     return rendezvous.local_rank(get_rank() if is_initialized() else 0)
 
 
-get_node_local_rank = get_local_rank
+def get_node_local_rank(fallback_rank: int | None = None) -> int:
+    """torch's: this process's rank on its host as the launcher set it (``LOCAL_RANK``, or
+    gpucoll's, Slurm's or MPI's variable); else ``fallback_rank``; else RuntimeError."""
+    from gpucoll import rendezvous
+
+    found = rendezvous.local_rank(-1)
+    if found >= 0:
+        return found
+    if fallback_rank is not None:
+        return fallback_rank
+    raise RuntimeError("get_node_local_rank: LOCAL_RANK is not set (nor another launcher's "
+                       "local rank); pass fallback_rank= to run without a launcher")
 
 
 def get_backend(group: Any = None) -> str:
@@ -262,34 +303,58 @@ def all_gather(tensor_list: list, tensor: Any, group: Any = None,
     return _then(got, async_op, lambda parts: _fill(outs, parts))
 
 
-def all_gather_into_tensor(output_tensor: Any, input_tensor: Any, group: Any = None,
-                           async_op: bool = False) -> Work | None:
+def all_gather_single(output_tensor: Any, input_tensor: Any, group: Any = None,
+                      async_op: bool = False) -> Work | None:
     """Every rank's ``input_tensor`` into ``output_tensor``, concatenated along dim 0
     (``(size * n, ...)``) or stacked (``(size, n, ...)``)."""
-    comm = _group(group, "all_gather_into_tensor")
-    if comm is None:
-        return None
-    out, x = _t(output_tensor), _t(input_tensor)
-    tiled = _layout(out, x, comm.size, "output_tensor", "all_gather_into_tensor")
-    return _result(comm.all_gather(x, tiled=tiled, out=out, async_op=async_op), async_op)
+    return _gather_single("all_gather_single", output_tensor, input_tensor, group, async_op)
+
+
+def reduce_scatter_single(output: Any, input: Any, op: Any = ReduceOp.SUM, group: Any = None,
+                          async_op: bool = False) -> Work | None:
+    """``input`` (``size`` blocks along dim 0, or stacked) reduced over the group; this rank's
+    block lands in ``output``."""
+    return _scatter_single("reduce_scatter_single", output, input, op, group, async_op)
+
+
+def all_gather_into_tensor(output_tensor: Any, input_tensor: Any, group: Any = None,
+                           async_op: bool = False) -> Work | None:
+    """``all_gather_single``'s older name, deprecated with a ``FutureWarning`` as in torch."""
+    _deprecated("all_gather_into_tensor", "all_gather_single")
+    return _gather_single("all_gather_into_tensor", output_tensor, input_tensor, group, async_op)
 
 
 def reduce_scatter_tensor(output: Any, input: Any, op: Any = ReduceOp.SUM, group: Any = None,
                           async_op: bool = False) -> Work | None:
-    """``input`` (``size`` blocks along dim 0, or stacked) reduced over the group; this rank's
-    block lands in ``output``."""
-    comm = _group(group, "reduce_scatter_tensor")
+    """``reduce_scatter_single``'s older name, deprecated with a ``FutureWarning`` as in torch."""
+    _deprecated("reduce_scatter_tensor", "reduce_scatter_single")
+    return _scatter_single("reduce_scatter_tensor", output, input, op, group, async_op)
+
+
+def _gather_single(fn: str, output_tensor: Any, input_tensor: Any, group: Any,
+                   async_op: bool) -> Work | None:
+    comm = _group(group, fn)
+    if comm is None:
+        return None
+    out, x = _t(output_tensor), _t(input_tensor)
+    tiled = _layout(out, x, comm.size, "output_tensor", fn)
+    return _result(comm.all_gather(x, tiled=tiled, out=out, async_op=async_op), async_op)
+
+
+def _scatter_single(fn: str, output: Any, input: Any, op: Any, group: Any,
+                    async_op: bool) -> Work | None:
+    comm = _group(group, fn)
     if comm is None:
         return None
     out, x = _t(output), _t(input)
-    tiled = _layout(x, out, comm.size, "input", "reduce_scatter_tensor")
-    rop = _op(op, "reduce_scatter_tensor")
-    return _result(comm.reduce_scatter(x, rop, tiled=tiled, out=out, async_op=async_op),
-                   async_op)
+    tiled = _layout(x, out, comm.size, "input", fn)
+    return _result(comm.reduce_scatter(x, _op(op, fn), tiled=tiled, out=out,
+                                       async_op=async_op), async_op)
 
 
-all_gather_single = all_gather_into_tensor  # torch 2.13's newer names for the two
-reduce_scatter_single = reduce_scatter_tensor
+def _deprecated(old: str, new: str) -> None:
+    warnings.warn(f"`dist.{old}` is deprecated (as `torch.distributed.{old}` is). Please use "
+                  f"`dist.{new}` instead.", FutureWarning, stacklevel=3)
 
 
 def reduce_scatter(output: Any, input_list: list, op: Any = ReduceOp.SUM, group: Any = None,
@@ -578,6 +643,15 @@ class _Handle(Work):
             then(value)
         return True
 
+    def synchronize(self, timeout: Any = None) -> None:
+        """torch's: block until the call is done (results in place, as ``wait()``)."""
+        self.wait(timeout)
+
+    def result(self) -> Any:
+        raise NotImplementedError(f"{self._label}: Work.result() is not provided by "
+                                  f"gpucoll.distributed; after wait() the results are in the "
+                                  f"tensors given to the call")
+
 
 def _result(value: Any, async_op: bool) -> Work | None:
     return _Handle(value) if async_op else None
@@ -634,8 +708,9 @@ def _to_group(comm: Communicator, rank: Any, group_rank: Any, name: str, fn: str
               tag: Any = 0) -> int:
     """``name`` (a global rank) or ``group_<name>`` (a rank of ``comm``) as a rank of ``comm``."""
     if tag not in (0, None):
-        raise ValueError(f"{_where(fn)}: tag={tag!r}: gpucoll has no message tags (messages "
-                         "between two ranks arrive in the order they were sent); leave tag at 0")
+        raise ValueError(f"{_where(fn)}: tag={tag!r}: only tag 0 is taken here, since gpucoll's "
+                         "array messages between two ranks pair in the order they were sent, not "
+                         "by tag as torch's do; leave tag at 0")
     if rank is not None and group_rank is not None:
         raise ValueError(f"{_where(fn)}: pass {name} or group_{name}, not both")
     if group_rank is not None:
@@ -708,6 +783,14 @@ def _seconds(timeout: Any, fn: str) -> float | None:
     return float(timeout)
 
 
+def _start_timeout(timeout: Any) -> float:
+    """init_process_group's deadline in seconds: ``timeout``, else GPUCOLL_TIMEOUT or 300."""
+    seconds = _seconds(timeout, "init_process_group")
+    if seconds is None:
+        seconds = float(os.environ.get("GPUCOLL_TIMEOUT") or _default.DEFAULT_TIMEOUT)
+    return check_timeout(seconds, "timeout", "init_process_group")
+
+
 def _device_index(device_id: Any) -> Any:
     if device_id is None or isinstance(device_id, int):
         return device_id
@@ -715,28 +798,13 @@ def _device_index(device_id: Any) -> Any:
     return 0 if index is None else index
 
 
-def _store_at(init_method: str, rank: Any, world_size: Any, timeout: float | None) -> Any:
-    """``tcp://host:port``: rank 0 hosts the job's store there, the others connect."""
-    from gpucoll import rendezvous
-    from gpucoll.store import parse_address
-
-    if not init_method.startswith("tcp://"):
-        raise ValueError(f"{_where('init_process_group')}: init_method={init_method!r} is not "
-                         "supported; use env:// (the launcher's environment) or tcp://HOST:PORT")
-    if rank is None:
-        raise ValueError(f"{_where('init_process_group')}: init_method='tcp://...' needs rank and "
-                         "world_size")
-    host, port = parse_address(init_method)
-    rdv = rendezvous.Rendezvous(rank, world_size, rank, world_size, host, port, False,
-                                os.environ.get("GPUCOLL_STORE_TOKEN") or None, "init_method")
-    return rendezvous.connect_store(rdv, _default.DEFAULT_TIMEOUT if timeout is None else timeout)
-
-
-def _close_owned() -> None:
+def _close_owned(at_end: bool = False) -> None:
+    """Close the store init_process_group made; ``at_end`` of the group, the rank hosting it
+    lets the others finish with it first (``init_methods.release``)."""
     global _owned_store
     store, _owned_store = _owned_store, None
     if store is not None:
-        store.close()
+        init_methods.release(store) if at_end else store.close()
 
 
 def _list(value: Any, size: int, name: str, fn: str, like: Any = None) -> list:
@@ -833,13 +901,14 @@ def _fill(outs: list, parts: list) -> None:
 
 __all__ = [
     "Backend", "GroupMember", "P2POp", "ReduceOp", "all_gather", "all_gather_into_tensor",
+    "all_gather_single", "reduce_scatter_single",
     "all_gather_object", "all_reduce", "all_to_all", "all_to_all_single", "barrier",
     "batch_isend_irecv", "broadcast", "broadcast_object_list", "destroy_process_group",
     "gather", "gather_object", "get_backend", "get_global_rank", "get_group_rank",
     "get_local_rank", "get_node_local_rank", "get_process_group_ranks", "get_rank",
     "get_world_size", "group", "init_process_group", "irecv", "is_available",
     "is_initialized", "isend", "monitored_barrier", "new_group", "recv", "recv_object_list",
-    "reduce", "reduce_scatter", "reduce_scatter_tensor", "scatter", "scatter_object_list",
-    "send", "send_object_list",
+    "reduce", "reduce_op", "reduce_scatter", "reduce_scatter_tensor", "scatter",
+    "scatter_object_list", "send", "send_object_list",
 ]
 

@@ -394,7 +394,8 @@ def join_group(store: Any, rank: int, size: int, *, job: str | None, timeout: fl
         what = f"start-up of job {job!r}" if job else "start-up"
         wait_for_ranks(space, [f"member/{r}" for r in range(size)],
                        max(deadline - time.monotonic(), 0.0), rank=rank, liveness=live,
-                       what=what, absent="never arrived (not started, or not yet at gpucoll.init)",
+                       what=what, absent="never arrived (not started, or not yet at "
+                                         "gpucoll.init or init_process_group)",
                        stopped=lambda: _start_up_stopped(store, space, what, rank, size))
     except CollectiveTimeout as exc:
         live.leave()

@@ -10,6 +10,7 @@ import signal
 import socket
 import subprocess
 import sys
+import textwrap
 import time
 
 import pytest
@@ -183,6 +184,27 @@ def test_under_torchrun_a_busy_port_after_master_port_does_not_matter(tmp_path):
         done = run_other_launcher(argv, tmp_path)
     assert done.returncode == 0, done.stdout + done.stderr
     assert "CHECK spmd: passed" in done.stdout
+
+
+@pytest.mark.slow
+def test_under_torchrun_a_job_that_starts_again_meets_in_its_new_store(tmp_path):
+    torchrun = shutil.which("torchrun") or pytest.skip("torchrun is not installed")
+    script = tmp_path / "twice.py"
+    script.write_text(textwrap.dedent("""
+        import sys
+        import numpy as np
+        import gpucoll
+        for start in range(3):  # each start-up's store is new: none may reach the last one's
+            comm = gpucoll.init("ring", timeout=30)
+            x = np.array([comm.rank + 1.0])
+            comm.all_reduce(x)
+            sys.stdout.write(f"start {start} {x.item()}\\n")  # one write: lines never mix
+            gpucoll.close()
+    """))
+    done = run_other_launcher([torchrun, "--standalone", "--nproc-per-node", "2", str(script)],
+                              tmp_path)
+    assert done.returncode == 0, done.stdout + done.stderr
+    assert [done.stdout.count(f"start {k} 3.0\n") for k in range(3)] == [2, 2, 2], done.stdout
 
 
 def test_an_example_runs_unchanged_under_mpirun(tmp_path):

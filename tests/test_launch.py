@@ -362,6 +362,40 @@ def test_a_torchrun_style_script_runs_unchanged(launch, tmp_path):
     assert job.out().count("torchrun-style rank") == 2
 
 
+OMP_DUMP = """
+    import os
+    print("OMP", os.environ["RANK"], repr(os.environ.get("OMP_NUM_THREADS")))
+"""
+OMP_LINE = "gpucoll run: OMP_NUM_THREADS=1 for each rank, as torchrun sets it"
+
+
+def test_ranks_sharing_a_node_get_one_openmp_thread_each_and_the_launcher_says_so(
+        launch, tmp_path, monkeypatch):
+    monkeypatch.delenv("OMP_NUM_THREADS", raising=False)
+    job = launch(["-n", "2", write_script(tmp_path, OMP_DUMP)])
+    assert job.finish() == 0, job.text()
+    assert sorted(re.findall(r"OMP \d '1'", job.out())) == ["OMP 0 '1'", "OMP 1 '1'"]
+    assert job.err().count(OMP_LINE) == 1
+    assert f"{OMP_LINE} (unset, and 2 ranks share this node's cores); set OMP_NUM_THREADS " \
+           f"to choose another value" in job.err()
+
+
+@pytest.mark.parametrize("value", ["3", ""])
+def test_an_omp_num_threads_the_user_set_is_left_alone(launch, tmp_path, value):
+    job = launch(["-n", "2", write_script(tmp_path, OMP_DUMP)], env={"OMP_NUM_THREADS": value})
+    assert job.finish() == 0, job.text()
+    assert job.out().count(f"'{value}'") == 2, job.text()
+    assert OMP_LINE not in job.err()
+
+
+def test_a_single_rank_keeps_openmps_own_default(launch, tmp_path, monkeypatch):
+    monkeypatch.delenv("OMP_NUM_THREADS", raising=False)
+    job = launch(["-n", "1", write_script(tmp_path, OMP_DUMP)])
+    assert job.finish() == 0, job.text()
+    assert "OMP 0 None" in job.out()
+    assert OMP_LINE not in job.err()
+
+
 @pytest.mark.slow
 def test_a_torch_distributed_script_runs_unchanged(launch, tmp_path):
     pytest.importorskip("torch.distributed")

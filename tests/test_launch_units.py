@@ -13,6 +13,7 @@ from gpucoll.launch.config import (
     LaunchConfig,
     device_env,
     rank_env,
+    thread_env,
     validate,
     visible_gpus,
 )
@@ -86,6 +87,12 @@ def test_ranks_of_node_one_continue_the_numbering_of_node_zero():
     assert (env["RANK"], env["GPUCOLL_RANK"], env["LOCAL_RANK"]) == ("6", "6", "2")
     assert env["WORLD_SIZE"] == "8" and env["LOCAL_WORLD_SIZE"] == "4"
     assert env["GPUCOLL_STORE"] == "tcp://10.0.0.1:29400" and env["MASTER_PORT"] == "29401"
+
+
+def test_openmp_threads_are_set_as_torchrun_sets_them_by_ranks_per_node():
+    assert thread_env(LaunchConfig("x.py", nproc=2), {}) == {"OMP_NUM_THREADS": "1"}
+    assert thread_env(LaunchConfig("x.py", nproc=2), {"OMP_NUM_THREADS": "4"}) == {}
+    assert thread_env(LaunchConfig("x.py", nproc=1, nnodes=4, token="t"), {}) == {}
 
 
 @pytest.mark.parametrize("code, status, text", [

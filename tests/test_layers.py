@@ -47,6 +47,7 @@ LAYER_OF = {
     "gpucoll.transport": "transport",
     "gpucoll.store": "store",
     "gpucoll.rendezvous": "store",
+    "gpucoll.init_methods": "store",
     "gpucoll.errors": "leaf",
     "gpucoll.progress": "leaf",
     "gpucoll.ops": "leaf",

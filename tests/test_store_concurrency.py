@@ -163,6 +163,25 @@ def test_client_thread_started_before_the_server_connects():
     assert got == [b"early bird"]
 
 
+def test_a_client_dropped_by_a_closing_server_connects_to_the_next_one_at_that_address():
+    closing = socket.create_server(("127.0.0.1", 0))  # accepts, then drops without a word
+    port = closing.getsockname()[1]
+    got = []
+    client = threading.Thread(target=lambda: got.append(_late_client(0, 1, port)))
+    client.start()
+    try:
+        conn, _ = closing.accept()
+        conn.close()
+        closing.close()
+        with TCPStore("127.0.0.1", port, is_server=True, timeout=30) as server:
+            server.set("from-server", b"the next one")
+            client.join(40)
+    finally:
+        closing.close()
+        client.join(40)
+    assert got == [b"the next one"]
+
+
 # ----------------------------------------------------------------------------- killed clients
 def _victim_parked(rank: int, n: int, port: int) -> None:
     with TCPStore("127.0.0.1", port, timeout=60) as c:

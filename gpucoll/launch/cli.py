@@ -20,7 +20,7 @@ import socket
 import threading
 
 from gpucoll.errors import LaunchError, StoreError
-from gpucoll.launch.config import LaunchConfig, bindings, validate, visible_gpus
+from gpucoll.launch.config import LaunchConfig, bindings, thread_env, validate, visible_gpus
 from gpucoll.launch.supervisor import Job, RemoteAbort, console, signals_to
 from gpucoll.rendezvous import LAUNCHER_ABORT, launcher_abort, read_launcher_abort, store_url
 from gpucoll.transport import shm
@@ -32,7 +32,8 @@ NO_GPU_RANKS_HELP = (f"this machine's CPU cores, at least {NO_GPU_MIN_RANKS} and
 EPILOG = """\
 Each rank gets GPUCOLL_RANK, GPUCOLL_WORLD_SIZE, GPUCOLL_LOCAL_RANK, GPUCOLL_LOCAL_WORLD_SIZE,
 GPUCOLL_STORE (the job's store, hosted by this launcher on node 0) and GPUCOLL_STORE_TOKEN, plus
-torchrun's RANK WORLD_SIZE LOCAL_RANK LOCAL_WORLD_SIZE MASTER_ADDR MASTER_PORT.
+torchrun's RANK WORLD_SIZE LOCAL_RANK LOCAL_WORLD_SIZE MASTER_ADDR MASTER_PORT, and
+OMP_NUM_THREADS=1 where it is unset and N > 1, as torchrun sets it.
 Output lines are prefixed "[rank R] ". When a rank fails the others are stopped and the launcher
 exits with the failed rank's code (128+N for signal N); 124 when --timeout passes. With
 --keep-going the others go on; see docs/launcher.md for the exit status then.
@@ -156,6 +157,10 @@ def main(argv: list[str] | None = None) -> int:
                          + "\n").encode())
     if how:
         out.write("stderr", f"gpucoll run: note: {how}\n".encode())
+    if thread_env(cfg):
+        out.write("stderr", f"gpucoll run: OMP_NUM_THREADS=1 for each rank, as torchrun sets it "
+                  f"(unset, and {cfg.nproc} ranks share this node's cores); set OMP_NUM_THREADS "
+                  f"to choose another value\n".encode())
     if gpus and cfg.nproc > len(gpus):
         out.write("stderr", f"gpucoll run: note: {cfg.nproc} ranks share {len(gpus)} GPU(s); "
                   "NCCL needs one GPU per rank\n".encode())

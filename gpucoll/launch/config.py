@@ -9,7 +9,8 @@ rank gets from it.
   list the way CUDA itself does.
 - ``rank_env``: gpucoll's variables and torchrun's, so either kind of script runs. torchrun's
   ``MASTER_PORT`` is not the gpucoll store's port: a torch.distributed script hosts its own
-  store there (rank 0 binds it), so the two must not collide.
+  store there (rank 0 binds it), so the two must not collide. ``thread_env``:
+  ``OMP_NUM_THREADS=1`` where it is unset and several ranks share the node, as torchrun sets it.
 - ``bindings`` (``--bind``): where each rank runs, its CPUs and, for NCCL, its NICs.
 """
 
@@ -21,6 +22,7 @@ import importlib.util
 import os
 import re
 import sys
+from collections.abc import Mapping
 
 from gpucoll.errors import LaunchError
 from gpucoll.rendezvous import store_url
@@ -180,6 +182,17 @@ def device_env(local_rank: int, gpus: list[str], isolate: bool) -> dict[str, str
 
 # ---- each rank's environment and binding ---------------------------------------------------------
 
+def thread_env(cfg: LaunchConfig, environ: Mapping[str, str] | None = None) -> dict[str, str]:
+    """``OMP_NUM_THREADS=1`` when ``environ`` (default: the launcher's) does not set it and
+    several ranks share this node, as torchrun does: each rank's OpenMP (torch's CPU kernels,
+    a BLAS) would otherwise start a thread per core, N ranks on C cores N * C threads, and a
+    rank waiting in a collective spins its cores away from the others."""
+    env = os.environ if environ is None else environ
+    if "OMP_NUM_THREADS" in env or cfg.nproc < 2:
+        return {}
+    return {"OMP_NUM_THREADS": "1"}
+
+
 def rank_env(cfg: LaunchConfig, local_rank: int, store: tuple[str, int], token: str,
              torch_port: int, gpus: list[str]) -> dict[str, str]:
     """Variables to add to the launcher's own environment for ``local_rank`` of this node."""
@@ -205,6 +218,7 @@ def rank_env(cfg: LaunchConfig, local_rank: int, store: tuple[str, int], token: 
         "PYTHONUNBUFFERED": "1",
     }
     env.update(device_env(local_rank, gpus, cfg.isolate_gpus))
+    env.update(thread_env(cfg))
     return env
 
 

@@ -90,7 +90,7 @@ class TCPStore:
         target = "127.0.0.1" if is_server and host in _WILDCARDS else host
         self._target, self._token = target, token
         try:
-            self._conn = Connection(target, self.port, token, self.timeout)
+            self._conn = _hello(target, self.port, token, self.timeout)
         except BaseException:
             if self._server is not None:
                 self._server.close()
@@ -105,6 +105,13 @@ class TCPStore:
     @property
     def is_server(self) -> bool:
         return self._server is not None
+
+    def clients(self) -> int:
+        """How many client connections the server this store hosts has open, this one
+        included (hosting rank only)."""
+        if self._server is None:
+            raise ValueError("TCPStore.clients: only the store that hosts the server knows")
+        return self._server.connections
 
     @property
     def max_value_bytes(self) -> int:
@@ -378,6 +385,15 @@ class Connection:
         hello = [VERSION, (token or "").encode()]
         try:
             status, args = self.request(Op.HELLO, hello, deadline, "connect")
+        except StoreTimeout:
+            self.close()
+            raise
+        except StoreError as exc:
+            dropped = self._error is not None  # the server closed it before answering
+            self.close()
+            if dropped:
+                raise _Dropped(str(exc)) from None
+            raise
         except BaseException:
             self.close()
             raise
@@ -576,6 +592,24 @@ def _set_timeo(sock: socket.socket, option: int, seconds: float) -> None:
     sec = int(seconds)
     sock.setsockopt(socket.SOL_SOCKET, option, struct.pack("ll", sec,
                                                              int((seconds - sec) * 1e6)))
+
+
+class _Dropped(StoreError):
+    """The server closed a new connection before answering its hello."""
+
+
+def _hello(host: str, port: int, token: str | None, timeout: float) -> Connection:
+    """A Connection, tried again until ``timeout`` while the server drops it before answering:
+    a server that is closing as this client comes (the store of a job that just ended, whose
+    host is about to serve the next one at the same address)."""
+    deadline = time.monotonic() + timeout
+    while True:
+        try:
+            return Connection(host, port, token, max(deadline - time.monotonic(), 0.01))
+        except _Dropped:
+            if time.monotonic() >= deadline:
+                raise
+        time.sleep(0.05)  # a retry, bounded by the deadline above
 
 
 def _connect(host: str, port: int, timeout: float, deadline: float) -> socket.socket:

@@ -297,6 +297,11 @@ class StoreServer:
         _LIVE.add(self)
         self._thread.start()
 
+    @property
+    def connections(self) -> int:
+        """Client connections open now (this process's own included)."""
+        return len(self._conns)
+
     def close(self, timeout: float = 10.0) -> None:
         """Stop the loop, drop every connection and join the thread."""
         if self._stop:

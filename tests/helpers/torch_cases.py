@@ -12,6 +12,7 @@ from __future__ import annotations
 
 import re
 import traceback
+import warnings
 from collections.abc import Callable
 
 import numpy as np
@@ -164,6 +165,21 @@ def async_all_gather_fills_the_list_at_wait(dist, r, n):
 
 
 @case
+def async_all_gather_fills_the_list_at_synchronize_too(dist, r, n):
+    out = [torch.zeros(3) for _ in range(n)]
+    work = dist.all_gather(out, val(r, 3), async_op=True)
+    assert work.synchronize() is None
+    for k in range(n):
+        check(out[k], val(k, 3), f"all_gather slot {k} after synchronize")
+    try:
+        work.result()
+    except NotImplementedError as e:
+        assert "the results are in the tensors given to the call" in str(e), e
+    else:
+        raise AssertionError("Work.result() returned")
+
+
+@case
 def all_gather_into_tensor_concatenates_or_stacks(dist, r, n):
     flat = torch.zeros(n * 6)
     dist.all_gather_into_tensor(flat, val(r))
@@ -178,6 +194,28 @@ def reduce_scatter_tensor_gives_each_rank_its_block(dist, r, n):
     out = torch.zeros(2)
     dist.reduce_scatter_tensor(out, val(r, 2 * n))
     check(out, sum(val(k, 2 * n) for k in range(n))[2 * r:2 * r + 2], "reduce_scatter_tensor")
+
+
+@case
+def the_older_names_of_the_single_tensor_calls_warn_as_torchs_do(dist, r, n):
+    flat, out = torch.zeros(n * 3), torch.zeros(2)
+    with warnings.catch_warnings(record=True) as seen:
+        warnings.simplefilter("always")
+        dist.all_gather_into_tensor(flat, val(r, 3))
+        dist.reduce_scatter_tensor(out, val(r, 2 * n))
+    said = [str(w.message) for w in seen if w.category is FutureWarning]
+    assert said == [
+        "`dist.all_gather_into_tensor` is deprecated (as `torch.distributed."
+        "all_gather_into_tensor` is). Please use `dist.all_gather_single` instead.",
+        "`dist.reduce_scatter_tensor` is deprecated (as `torch.distributed."
+        "reduce_scatter_tensor` is). Please use `dist.reduce_scatter_single` instead."], said
+    assert all(w.filename == __file__ for w in seen), [w.filename for w in seen]
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")  # the current names do not warn
+        dist.all_gather_single(flat, val(r, 3))
+        dist.reduce_scatter_single(out, val(r, 2 * n))
+    check(flat, torch.cat([val(k, 3) for k in range(n)]), "all_gather_single")
+    check(out, sum(val(k, 2 * n) for k in range(n))[2 * r:2 * r + 2], "reduce_scatter_single")
 
 
 @case
@@ -397,7 +435,7 @@ def a_recv_without_src_is_refused(dist, r, n):
 
 @case
 def a_message_tag_is_refused(dist, r, n):
-    refuses(dist, ValueError, r"send.*tag=7.*no message tags",
+    refuses(dist, ValueError, r"send.*tag=7.*only tag 0 is taken",
             lambda: dist.send(val(r), dst=(r + 1) % n, tag=7))
 
 
