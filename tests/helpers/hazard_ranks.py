@@ -5,6 +5,8 @@ ranks that share a GPU; zero-size arrays; avg."""
 
 from __future__ import annotations
 
+import contextlib
+
 import numpy as np
 from nccl_emulation import EmulatedRuntime, FakeDeviceArray
 from nccl_ranks import check_reduced, emulated
@@ -54,46 +56,45 @@ def start_up_without_a_peer(rank: int, n: int, addr: str, dies: bool) -> str:
         rt.close()
 
 
-def first_call_without_a_peer(rank: int, n: int, addr: str, dies: bool) -> str:
-    """The communicator is made; rank 1 never makes the first collective (or dies): rank 0's
-    first call, which must connect to its peers, fails within its deadline naming rank 1."""
+@contextlib.contextmanager
+def _rank_1_away(addr: str, rank: int, n: int):
+    """(runtime, store, communicator, ``RankOneAway`` waiting in that store) on the emulation;
+    everything is closed on the way out."""
     rt = EmulatedRuntime(addr)
     cuda.set_runtime(rt)
     store = _store(addr)
     comm = create("nccl", rank=rank, world_size=n, store=addr, timeout=30)
     try:
         with RankOneAway(rank, store, wait=30) as away:
-            if away.stays_away(dies=dies):
-                return ""
-            x = FakeDeviceArray(np.ones(4, np.float32), rt)
-            exc = fails_without_rank_1("a first collective", (CollectiveTimeout, PeerFailure),
-                                       lambda: comm.all_reduce(x, timeout=1.5))
-            return f"{type(exc).__name__}: {exc}"
+            yield rt, store, comm, away
     finally:
         comm.close()
         store.close()
         rt.close()
+
+
+def first_call_without_a_peer(rank: int, n: int, addr: str, dies: bool) -> str:
+    """The communicator is made; rank 1 never makes the first collective (or dies): rank 0's
+    first call, which must connect to its peers, fails within its deadline naming rank 1."""
+    with _rank_1_away(addr, rank, n) as (rt, _, comm, away):
+        if away.stays_away(dies=dies):
+            return ""
+        x = FakeDeviceArray(np.ones(4, np.float32), rt)
+        exc = fails_without_rank_1("a first collective", (CollectiveTimeout, PeerFailure),
+                                   lambda: comm.all_reduce(x, timeout=1.5))
+        return f"{type(exc).__name__}: {exc}"
 
 
 def split_without_a_peer(rank: int, n: int, addr: str) -> str:
     """Rank 1 never enters the NCCL split: rank 0's split fails within its deadline."""
-    rt = EmulatedRuntime(addr)
-    cuda.set_runtime(rt)
-    store = _store(addr)
-    comm = create("nccl", rank=rank, world_size=n, store=addr, timeout=30)
-    try:
-        with RankOneAway(rank, store, wait=30) as away:
-            if away.stays_away():
-                return ""
-            sub_store = PrefixStore("sub/", store)
-            exc = fails_without_rank_1("a split", (CollectiveTimeout, PeerFailure),
-                                       lambda: comm._backend.split(sub_store, 0, 1, 0, 0,
-                                                                   timeout=1.5))
-            return f"{type(exc).__name__}: {exc}"
-    finally:
-        comm.close()
-        store.close()
-        rt.close()
+    with _rank_1_away(addr, rank, n) as (_, store, comm, away):
+        if away.stays_away():
+            return ""
+        sub_store = PrefixStore("sub/", store)
+        exc = fails_without_rank_1("a split", (CollectiveTimeout, PeerFailure),
+                                   lambda: comm._backend.split(sub_store, 0, 1, 0, 0,
+                                                               timeout=1.5))
+        return f"{type(exc).__name__}: {exc}"
 
 
 def peer_dies_during_a_call(rank: int, n: int, addr: str) -> str:
