@@ -8,9 +8,11 @@ read its report, one topic per test.
 
 from __future__ import annotations
 
+import functools
+
 import pytest
 import training_cases
-from world_reports import WORLDS, failures, table_reports, world_id
+from world_reports import WORLDS, assert_passed, table_reports, world_id
 
 pytestmark = pytest.mark.timeout(600)
 
@@ -26,15 +28,13 @@ def _run(rank: int, n: int, addr: str) -> dict:
         return report
 
 
-def reports(size: int, transport: str) -> list[dict]:
-    return table_reports(_run, size, transport, 500)
+reports = functools.partial(table_reports, _run, timeout=500)  # (size, transport)
 
 
 @pytest.mark.parametrize("world", WORLDS, ids=world_id)
 @pytest.mark.parametrize("topic", TOPICS)
 def test_training_calls_match_numpy(topic, world):
-    wrong = failures(reports(*world), topic)
-    assert not wrong, "\n".join(wrong[:20])
+    assert_passed(reports(*world), topic, most=20)
 
 
 @pytest.mark.parametrize("world", WORLDS, ids=world_id)

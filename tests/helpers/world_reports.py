@@ -35,7 +35,9 @@ def table_reports(fn: Callable, size: int, transport: str, timeout: float) -> li
         server.close()
 
 
-def failures(reports: list[dict], kind: str) -> list[str]:
-    """``rank R: case: error`` for every case of ``kind`` that failed on some rank."""
-    return [f"rank {rank}: {case}: {error}" for rank, report in enumerate(reports)
-            for case, (k, error) in report.items() if k == kind and error]
+def assert_passed(reports: list[dict], kind: str, most: int = 40) -> None:
+    """Every case of ``kind`` passed on every rank; else an AssertionError listing the first
+    ``most`` failures as ``rank R: case: error``."""
+    failures = [f"rank {rank}: {case}: {error}" for rank, report in enumerate(reports)
+                for case, (k, error) in report.items() if k == kind and error]
+    assert not failures, "\n".join(failures[:most])
