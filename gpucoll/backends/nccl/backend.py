@@ -285,16 +285,8 @@ class NcclBackend(Backend):
     def all_reduce(self, x: Any, op: ReduceOp, *, timeout: float, stream: Any = None) -> None:
         plan = reduce_plan(op, x.dtype, "all_reduce")
         with self._call("all_reduce", stream, timeout, (x,)) as call:
-            if x.count and plan.native:
-                buf = Buf(x.ptr, x.count * plan.factor, plan.code)
-                call.run(self._nc.calls.allreduce, buf, buf, plan.op)
-            elif x.count:  # all-gather every rank's x, then reduce the slots locally
-                n = x.count * plan.factor
-                keep = call.keep = self._rt.alloc_device(self.size * x.nbytes, call.s)
-                call.run(self._nc.calls.allgather, Buf(x.ptr, n, plan.code),
-                         Buf(keep.ptr, self.size * n, plan.code))
-                self._rt.reduce_slots(op.value, keep.ptr, x.ptr, self.size, x.count, x.dtype,
-                                      call.s)
+            if x.count:
+                self._all_reduce_into(call, x, x, plan, op)
 
     @host_arrays("x")
     def broadcast(self, x: Any, root: int, *, timeout: float, stream: Any = None) -> None:
@@ -394,7 +386,20 @@ class NcclBackend(Backend):
             call.run(self._nc.calls.allreduce, buf, buf, 0)  # ncclSum
         EventWork(self, self._last).synchronize()
 
-    # ---- grouped helpers ----------------------------------------------------------------
+    # ---- helpers ----------------------------------------------------------------------------
+
+    def _all_reduce_into(self, call: Call, x: Any, out: Any, plan: Any, op: ReduceOp) -> None:
+        """``x`` reduced over every rank into ``out`` (``x`` itself: in place). A reduction
+        NCCL lacks is an all-gather of every rank's x, then the slots reduced locally."""
+        n = x.count * plan.factor
+        send = Buf(x.ptr, n, plan.code)
+        if plan.native:
+            recv = send if out is x else Buf(out.ptr, n, plan.code)
+            call.run(self._nc.calls.allreduce, send, recv, plan.op)
+            return
+        keep = call.keep = self._rt.alloc_device(self.size * x.nbytes, call.s)
+        call.run(self._nc.calls.allgather, send, Buf(keep.ptr, self.size * n, plan.code))
+        self._rt.reduce_slots(op.value, keep.ptr, out.ptr, self.size, x.count, x.dtype, call.s)
 
     def _gather_to(self, call: Call, x: Any, out_ptr: int, root: int) -> None:
         """Rank r's ``x`` lands in slot r of ``out_ptr`` on ``root`` (grouped recvs there)."""
@@ -438,16 +443,8 @@ class NcclBackend(Backend):
                        stream: Any = None) -> None:
         plan = reduce_plan(op, x.dtype, "all_reduce")
         with self._call("all_reduce", stream, timeout, (x, out)) as call:
-            n = x.count * plan.factor
-            if x.count and plan.native:
-                call.run(self._nc.calls.allreduce, Buf(x.ptr, n, plan.code),
-                         Buf(out.ptr, n, plan.code), plan.op)
-            elif x.count:  # all-gather every rank's x, then reduce the slots locally into out
-                keep = call.keep = self._rt.alloc_device(self.size * x.nbytes, call.s)
-                call.run(self._nc.calls.allgather, Buf(x.ptr, n, plan.code),
-                         Buf(keep.ptr, self.size * n, plan.code))
-                self._rt.reduce_slots(op.value, keep.ptr, out.ptr, self.size, x.count, x.dtype,
-                                      call.s)
+            if x.count:
+                self._all_reduce_into(call, x, out, plan, op)
 
     @host_arrays("out")
     def reduce_out(self, x: Any, out: Any | None, root: int, op: ReduceOp, *, timeout: float,
