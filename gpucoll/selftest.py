@@ -413,18 +413,56 @@ def _others(comm: Any, arrays: Any, rank: int, n: int) -> list[str]:
     return wrong
 
 
+class RankOneAway:
+    """Rank 1 stays away from rank 0's calls, for the checks of a peer that never comes or dies
+    (on two ranks). On rank 1, ``stays_away`` exits at once (``dies``) or waits until rank 0 is
+    done, which rank 0 says in the store on leaving the ``with`` block however it leaves, so
+    that rank 1 never outlives a failed rank 0 by its wait. Without a store, rank 1 just
+    returns."""
+
+    def __init__(self, rank: int, store: Any = None, key: str = "selftest/done",
+                 wait: float = 60.0):
+        self.rank, self.store, self.key, self.wait = rank, store, key, wait
+
+    def __enter__(self) -> RankOneAway:
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        if self.rank == 0 and self.store is not None:
+            self.store.set(self.key, "1")
+
+    def stays_away(self, *, dies: bool = False) -> bool:
+        """True on rank 1, once rank 0 is done (the caller then returns); False on rank 0."""
+        if self.rank != 1:
+            return False
+        if dies:
+            os._exit(0)
+        if self.store is not None:
+            self.store.get(self.key, timeout=self.wait)
+        return True
+
+
+def fails_without_rank_1(what: str, errors: type[BaseException] | tuple, call: Callable[[], Any],
+                         *, named: bool = False) -> BaseException:
+    """The error ``call()`` (``what``, on rank 0 while rank 1 is away) must raise, one of
+    ``errors`` (with ``named``: naming rank 1); an AssertionError when it completes."""
+    try:
+        call()
+    except errors as exc:
+        if named and "rank 1" not in str(exc):
+            raise AssertionError(f"the {type(exc).__name__} does not name rank 1: {exc}") from exc
+        return exc
+    raise AssertionError(f"{what} without rank 1 completed")
+
+
 def missing_at_start_up(rank: int, n: int, addr: str, arrays: Any, device: int | None) -> str:
     """Rank 1 never starts: rank 0's start-up must end within its 3 s deadline naming it."""
-    if rank == 1:
+    if RankOneAway(rank).stays_away():
         return ""
     start = time.monotonic()
-    try:
-        create("nccl", rank=0, world_size=n, store=addr, timeout=3, device=device)
-    except CollectiveTimeout as exc:
-        if "rank 1" not in str(exc):
-            raise AssertionError(f"the timeout does not name rank 1: {exc}") from exc
-        return f"CollectiveTimeout after {time.monotonic() - start:.1f} s (deadline 3 s): {exc}"
-    raise AssertionError("start-up without rank 1 succeeded")
+    exc = fails_without_rank_1("start-up", CollectiveTimeout, lambda: create(
+        "nccl", rank=0, world_size=n, store=addr, timeout=3, device=device), named=True)
+    return f"CollectiveTimeout after {time.monotonic() - start:.1f} s (deadline 3 s): {exc}"
 
 
 def skipped_call(rank: int, n: int, addr: str, arrays: Any, device: int | None) -> str:
@@ -435,15 +473,14 @@ def skipped_call(rank: int, n: int, addr: str, arrays: Any, device: int | None) 
     store = TCPStore(*parse_address(addr), timeout=60)
     comm = create("nccl", rank=rank, world_size=n, store=addr, timeout=60, device=device)
     try:
-        x = arrays.put(np.ones(1024, np.float32))
-        comm.barrier()
-        if rank == 1:
-            store.get("selftest/skipped", timeout=60)
-            return ""
-        start = time.monotonic()
-        try:
-            comm.all_reduce(x, async_op=True, timeout=2).synchronize()
-        except CollectiveTimeout as exc:
+        with RankOneAway(rank, store, "selftest/skipped") as away:
+            x = arrays.put(np.ones(1024, np.float32))
+            comm.barrier()
+            if away.stays_away():
+                return ""
+            start = time.monotonic()
+            exc = fails_without_rank_1("an all_reduce", CollectiveTimeout, lambda: (
+                comm.all_reduce(x, async_op=True, timeout=2).synchronize()))
             took = time.monotonic() - start
             try:
                 comm.all_reduce(x)
@@ -452,10 +489,7 @@ def skipped_call(rank: int, n: int, addr: str, arrays: Any, device: int | None) 
             else:
                 raise AssertionError("the aborted communicator took another call") from exc
             return f"CollectiveTimeout after {took:.1f} s (deadline 2 s): {exc}"
-        raise AssertionError("an all_reduce without rank 1 completed")
     finally:
-        if rank == 0:
-            store.set("selftest/skipped", "1")
         comm.close()
         store.close()
 
@@ -466,14 +500,11 @@ def dead_peer(rank: int, n: int, addr: str, arrays: Any, device: int | None) -> 
     with comm:
         x = arrays.put(np.ones(1024, np.float32))
         comm.barrier()
-        if rank == 1:
-            os._exit(0)
+        RankOneAway(rank).stays_away(dies=True)
         start = time.monotonic()
-        try:
-            comm.all_reduce(x, async_op=True).synchronize()
-        except PeerFailure as exc:
-            return f"PeerFailure after {time.monotonic() - start:.1f} s: {exc}"
-        raise AssertionError("an all_reduce without rank 1 completed")
+        exc = fails_without_rank_1("an all_reduce", PeerFailure,
+                                   lambda: comm.all_reduce(x, async_op=True).synchronize())
+        return f"PeerFailure after {time.monotonic() - start:.1f} s: {exc}"
 
 
 def stream_race(rank: int, n: int, addr: str, arrays: Any, device: int | None) -> str:

@@ -13,12 +13,10 @@ import pytest
 from collective_cases import COLLECTIVES, cases, check, data, digest
 from multiproc import spawn
 from tiers import grid
+from world_reports import WORLDS, assert_passed, table_reports, world_id
 
 from gpucoll.arrays import dtype_from_name
-from gpucoll.store import TCPStore
 
-WORLDS = grid([(1, "auto"), (2, "tcp"), (2, "shm"), (3, "tcp"), (3, "shm"), (4, "tcp"),
-               (4, "shm")], [(1, "auto"), (2, "shm")])
 BIT_IDENTICAL = [("float16", 7), ("bfloat16", 70001), ("float32", 70001), ("float64", 7),
                  ("complex64", 70001)]
 
@@ -44,44 +42,30 @@ def _run_table(rank: int, n: int, addr: str) -> dict:
     return report
 
 
-@functools.cache
-def reports(size: int, transport: str) -> list[dict]:
-    server = TCPStore("127.0.0.1", 0, is_server=True, timeout=60)
-    try:
-        return spawn(_run_table, size, f"tcp://127.0.0.1:{server.port}", timeout=300,
-                     env={"GPUCOLL_TRANSPORT": transport})
-    finally:
-        server.close()
+reports = functools.partial(table_reports, _run_table, timeout=300)  # (size, transport)
 
 
-def _world_id(world):
-    return f"{world[0]}ranks-{world[1]}"
-
-
-@pytest.mark.parametrize("world", WORLDS, ids=_world_id)
+@pytest.mark.parametrize("world", WORLDS, ids=world_id)
 @pytest.mark.parametrize("coll", COLLECTIVES)
 def test_collective_matches_numpy_for_every_op_dtype_and_length(coll, world):
-    failures = [f"rank {rank}: {case_id}: {error}"
-                for rank, report in enumerate(reports(*world))
-                for case_id, (kind, error) in report.items() if kind == coll and error]
-    assert not failures, "\n".join(failures[:40])
+    assert_passed(reports(*world), coll)
 
 
-@pytest.mark.parametrize("world", WORLDS, ids=_world_id)
+@pytest.mark.parametrize("world", WORLDS, ids=world_id)
 def test_every_case_of_the_table_ran(world):
     stopped = [f"rank {r}: {rep['stopped'][1]}" for r, rep in enumerate(reports(*world))
                if "stopped" in rep]
     assert not stopped, "\n".join(stopped)
 
 
-@pytest.mark.parametrize("world", WORLDS[1:], ids=_world_id)
+@pytest.mark.parametrize("world", WORLDS[1:], ids=world_id)
 def test_all_reduce_results_are_bit_identical_on_every_rank(world):
     per_rank = [{k: v for k, (kind, v) in report.items() if kind == "bits"}
                 for report in reports(*world)]
     assert per_rank[0] and all(r == per_rank[0] for r in per_rank)
 
 
-@pytest.mark.parametrize("world", WORLDS[1:], ids=_world_id)
+@pytest.mark.parametrize("world", WORLDS[1:], ids=world_id)
 def test_the_forced_transport_carried_the_data(world):
     assert all(report["transport"][1] == [world[1]] for report in reports(*world))
 

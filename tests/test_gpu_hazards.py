@@ -121,6 +121,29 @@ def test_a_call_inside_another_devices_context_is_complete_only_when_its_work_is
         assert work.is_completed()
 
 
+def _refused_by_nccl(*args, **kwargs):
+    raise GpucollError("all_reduce on rank 0: refused by NCCL")
+
+
+@pytest.mark.parametrize("where", ["checks", "nccl"])
+def test_a_call_that_fails_restores_the_callers_device_and_records_nothing(rt, solo, where,
+                                                                           monkeypatch):
+    """Refused by its checks (a buffer on another device) or inside NCCL: either way no event
+    is left for the watchdog and the caller's device is current again."""
+    backend = solo._backend
+    last = backend._last
+    if where == "checks":
+        x, error, match = dev(rt, np.ones(2, np.float32), device=1), ValueError, "on device 1"
+    else:
+        monkeypatch.setattr(backend._nc, "call", _refused_by_nccl)
+        x, error, match = dev(rt, np.ones(2, np.float32), device=0), GpucollError, "by NCCL"
+    with rt.using_device(1):
+        with pytest.raises(error, match=match):
+            backend.all_reduce(as_ref(x, "x"), ReduceOp.SUM, timeout=5)
+        assert rt.current_device() == 1
+    assert backend._last is last and backend._watchdog.outstanding() == []
+
+
 def test_a_call_from_another_thread_is_complete_only_when_its_work_is(rt, store_addr):
     comm = create("nccl", rank=0, world_size=1, store=store_addr, timeout=10, device=1)
     try:

@@ -12,15 +12,10 @@ import functools
 
 import pytest
 import training_cases
-from multiproc import spawn
-from tiers import grid
-
-from gpucoll.store import TCPStore
+from world_reports import WORLDS, assert_passed, table_reports, world_id
 
 pytestmark = pytest.mark.timeout(600)
 
-WORLDS = grid([(1, "auto"), (2, "tcp"), (2, "shm"), (3, "tcp"), (3, "shm"), (4, "tcp"),
-               (4, "shm")], [(1, "auto"), (2, "shm")])
 TOPICS = sorted({topic for topic, _, _ in training_cases.CASES})
 
 
@@ -33,30 +28,16 @@ def _run(rank: int, n: int, addr: str) -> dict:
         return report
 
 
-@functools.cache
-def reports(size: int, transport: str) -> list[dict]:
-    server = TCPStore("127.0.0.1", 0, is_server=True, timeout=60)
-    try:
-        return spawn(_run, size, f"tcp://127.0.0.1:{server.port}", timeout=500,
-                     env={"GPUCOLL_TRANSPORT": transport})
-    finally:
-        server.close()
+reports = functools.partial(table_reports, _run, timeout=500)  # (size, transport)
 
 
-def _world_id(world):
-    return f"{world[0]}ranks-{world[1]}"
-
-
-@pytest.mark.parametrize("world", WORLDS, ids=_world_id)
+@pytest.mark.parametrize("world", WORLDS, ids=world_id)
 @pytest.mark.parametrize("topic", TOPICS)
 def test_training_calls_match_numpy(topic, world):
-    failures = [f"rank {rank}: {name}: {error}"
-                for rank, report in enumerate(reports(*world))
-                for name, (kind, error) in report.items() if kind == topic and error]
-    assert not failures, "\n".join(failures[:20])
+    assert_passed(reports(*world), topic, most=20)
 
 
-@pytest.mark.parametrize("world", WORLDS, ids=_world_id)
+@pytest.mark.parametrize("world", WORLDS, ids=world_id)
 def test_every_training_case_ran_on_the_transport_asked_for(world):
     for rank, report in enumerate(reports(*world)):
         assert "stopped" not in report, f"rank {rank}: {report['stopped'][1]}"

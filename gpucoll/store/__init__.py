@@ -3,7 +3,8 @@
 
 Modules: ``client`` (``TCPStore``, ``PrefixStore``, and ranks meeting in the store: one key
 each, a wait that names the missing ranks, wills), ``server`` (the event loop serving every
-client, its limits, and ``gpucoll store``), ``protocol`` (the wire format).
+client, its limits, and ``gpucoll store``), ``protocol`` (the wire format), ``forks`` (what a
+forked child closes of what it inherited: connections, servers, a transport's sockets).
 """
 
 from gpucoll.store.client import (

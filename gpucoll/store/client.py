@@ -25,12 +25,12 @@ import socket
 import struct
 import threading
 import time
-import weakref
 from collections.abc import Callable, Sequence
 from typing import Any
 
 from gpucoll.errors import CollectiveTimeout, GpucollError, PeerFailure, StoreError, StoreTimeout
 from gpucoll.progress import Waiting, ranks_text
+from gpucoll.store.forks import drop_when_forked
 from gpucoll.store.protocol import (
     DEFAULT_MAX_VALUE_BYTES,
     FRAME_SLACK,
@@ -339,19 +339,6 @@ def parse_address(address: str) -> tuple[str, int]:
 
 
 # ----------------------------------------------------------------- the connection
-_LIVE: weakref.WeakSet = weakref.WeakSet()  # connections of this process, for fork handling
-
-
-def _drop_inherited() -> None:
-    """In a forked child (a data loader, say): close the parent's store connections, so that
-    the parent's death still ends them (firing its wills) and the child cannot use them."""
-    for conn in list(_LIVE):
-        conn.drop_inherited()
-
-
-os.register_at_fork(after_in_child=_drop_inherited)
-
-
 class _Slot:
     __slots__ = ("reply",)
 
@@ -380,7 +367,7 @@ class Connection:
         self._closing = False  # close() was called while a thread read: it closes the socket
         self._error: str | None = None
         self._pid = os.getpid()
-        _LIVE.add(self)
+        drop_when_forked(self)
         self.unconfirmed = False  # a fire-and-forget request was sent since the last reply
         hello = [VERSION, (token or "").encode()]
         try:

@@ -33,10 +33,10 @@ import sys
 import threading
 import time
 import warnings
-import weakref
 from typing import Any
 
 from gpucoll.errors import FrameError, StoreError
+from gpucoll.store.forks import drop_when_forked
 from gpucoll.store.protocol import (
     DEFAULT_MAX_VALUE_BYTES,
     FRAME_SLACK,
@@ -64,17 +64,6 @@ ZEROED_RESERVE = 64 << 20
 # a paused client is read again once its unsent replies fall to this fraction of the limit
 _RESUME_AT = 0.5
 _warned_open = False  # a store without a token reachable from other hosts: said once
-_LIVE: weakref.WeakSet = weakref.WeakSet()  # servers of this process, for fork handling
-
-
-def _drop_inherited() -> None:
-    """In a forked child: close the copies of every server socket, so that clients still see
-    the server go when the process hosting it ends, however long the child lives."""
-    for server in list(_LIVE):
-        server.drop_inherited()
-
-
-os.register_at_fork(after_in_child=_drop_inherited)
 
 
 @dataclasses.dataclass(frozen=True)
@@ -294,7 +283,7 @@ class StoreServer:
         }
         self._thread = threading.Thread(target=self._run, name=f"gpucoll-store:{self.port}",
                                         daemon=True)
-        _LIVE.add(self)
+        drop_when_forked(self)
         self._thread.start()
 
     @property

@@ -36,7 +36,6 @@ import termios
 import threading
 import time
 import uuid
-import weakref
 from collections.abc import Callable
 
 import numpy as np
@@ -50,6 +49,7 @@ from gpucoll.errors import (
 )
 from gpucoll.progress import SLOTS, Progress
 from gpucoll.store import POLL, Liveness, gather
+from gpucoll.store.forks import drop_when_forked
 from gpucoll.transport import shm
 from gpucoll.transport.engine import State
 
@@ -124,19 +124,6 @@ def advertised_host(store) -> str:
         return "127.0.0.1"
 
 
-_LIVE: weakref.WeakSet = weakref.WeakSet()  # meshes of this process, for fork handling
-
-
-def _drop_inherited() -> None:
-    """In a forked child (a data loader, say): close the parent's connections, so that the
-    parent's death still closes them and its peers notice at once."""
-    for mesh in list(_LIVE):
-        mesh.drop_inherited()
-
-
-os.register_at_fork(after_in_child=_drop_inherited)
-
-
 def _listen_unix(name: str, backlog: int) -> socket.socket:
     sock = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
     sock.bind("\0" + name)
@@ -161,7 +148,7 @@ class Mesh:
         self._liveness = liveness
         self._listeners: list[socket.socket] = []
         self._unwrapped: dict[int, socket.socket] = {}
-        _LIVE.add(self)
+        drop_when_forked(self)
         try:
             self._build(store, timeout)
         except BaseException:

@@ -5,7 +5,7 @@ ranks that share a GPU; zero-size arrays; avg."""
 
 from __future__ import annotations
 
-import os
+import contextlib
 
 import numpy as np
 from nccl_emulation import EmulatedRuntime, FakeDeviceArray
@@ -16,6 +16,7 @@ from gpucoll.backends.nccl import NcclBackend
 from gpucoll.backends.nccl import backend as nccl_backend
 from gpucoll.default import create
 from gpucoll.errors import CollectiveTimeout, GpucollError, PeerFailure
+from gpucoll.selftest import RankOneAway, fails_without_rank_1
 from gpucoll.store import Liveness, PrefixStore, TCPStore, parse_address
 
 
@@ -38,23 +39,36 @@ def start_up_without_a_peer(rank: int, n: int, addr: str, dies: bool) -> str:
     cuda.set_runtime(rt)
     store = _store(addr)
     try:
-        if rank == 1:
-            _only_the_store_steps(store, rank, n)
-            if dies:
-                os._exit(0)
-            store.get("test/done", timeout=30)
-            return ""
-        # the deadline is for NCCL's part: rank 1's store steps, however late on a loaded
-        # machine, must not run it out (rank 1 would then miss the unique id)
-        PrefixStore("g/", store).wait([nccl_backend.ARRIVE_KEY.format(1)], timeout=30)
-        try:
-            NcclBackend(PrefixStore("g/", store), 0, n, timeout=1.5)
-        except (CollectiveTimeout, PeerFailure) as exc:
+        with RankOneAway(rank, store, wait=30) as away:
+            if rank == 1:
+                _only_the_store_steps(store, rank, n)
+            if away.stays_away(dies=dies):
+                return ""
+            # the deadline is for NCCL's part: rank 1's store steps, however late on a loaded
+            # machine, must not run it out (rank 1 would then miss the unique id)
+            PrefixStore("g/", store).wait([nccl_backend.ARRIVE_KEY.format(1)], timeout=30)
+            exc = fails_without_rank_1("start-up", (CollectiveTimeout, PeerFailure),
+                                       lambda: NcclBackend(PrefixStore("g/", store), 0, n,
+                                                           timeout=1.5))
             return f"{type(exc).__name__}: {exc}"
-        raise AssertionError("start-up without rank 1 succeeded")
     finally:
-        if rank == 0:
-            store.set("test/done", "1")
+        store.close()
+        rt.close()
+
+
+@contextlib.contextmanager
+def _rank_1_away(addr: str, rank: int, n: int):
+    """(runtime, store, communicator, ``RankOneAway`` waiting in that store) on the emulation;
+    everything is closed on the way out."""
+    rt = EmulatedRuntime(addr)
+    cuda.set_runtime(rt)
+    store = _store(addr)
+    comm = create("nccl", rank=rank, world_size=n, store=addr, timeout=30)
+    try:
+        with RankOneAway(rank, store, wait=30) as away:
+            yield rt, store, comm, away
+    finally:
+        comm.close()
         store.close()
         rt.close()
 
@@ -62,52 +76,25 @@ def start_up_without_a_peer(rank: int, n: int, addr: str, dies: bool) -> str:
 def first_call_without_a_peer(rank: int, n: int, addr: str, dies: bool) -> str:
     """The communicator is made; rank 1 never makes the first collective (or dies): rank 0's
     first call, which must connect to its peers, fails within its deadline naming rank 1."""
-    rt = EmulatedRuntime(addr)
-    cuda.set_runtime(rt)
-    store = _store(addr)
-    comm = create("nccl", rank=rank, world_size=n, store=addr, timeout=30)
-    try:
-        if rank == 1:
-            if dies:
-                os._exit(0)
-            store.get("test/done", timeout=30)
+    with _rank_1_away(addr, rank, n) as (rt, _, comm, away):
+        if away.stays_away(dies=dies):
             return ""
         x = FakeDeviceArray(np.ones(4, np.float32), rt)
-        try:
-            comm.all_reduce(x, timeout=1.5)
-        except (CollectiveTimeout, PeerFailure) as exc:
-            return f"{type(exc).__name__}: {exc}"
-        raise AssertionError("a first collective without rank 1 completed")
-    finally:
-        if rank == 0:
-            store.set("test/done", "1")
-        comm.close()
-        store.close()
-        rt.close()
+        exc = fails_without_rank_1("a first collective", (CollectiveTimeout, PeerFailure),
+                                   lambda: comm.all_reduce(x, timeout=1.5))
+        return f"{type(exc).__name__}: {exc}"
 
 
 def split_without_a_peer(rank: int, n: int, addr: str) -> str:
     """Rank 1 never enters the NCCL split: rank 0's split fails within its deadline."""
-    rt = EmulatedRuntime(addr)
-    cuda.set_runtime(rt)
-    store = _store(addr)
-    comm = create("nccl", rank=rank, world_size=n, store=addr, timeout=30)
-    try:
-        if rank == 1:
-            store.get("test/done", timeout=30)
+    with _rank_1_away(addr, rank, n) as (_, store, comm, away):
+        if away.stays_away():
             return ""
         sub_store = PrefixStore("sub/", store)
-        try:
-            comm._backend.split(sub_store, 0, 1, 0, 0, timeout=1.5)
-        except (CollectiveTimeout, PeerFailure) as exc:
-            return f"{type(exc).__name__}: {exc}"
-        raise AssertionError("a split without rank 1 completed")
-    finally:
-        if rank == 0:
-            store.set("test/done", "1")
-        comm.close()
-        store.close()
-        rt.close()
+        exc = fails_without_rank_1("a split", (CollectiveTimeout, PeerFailure),
+                                   lambda: comm._backend.split(sub_store, 0, 1, 0, 0,
+                                                               timeout=1.5))
+        return f"{type(exc).__name__}: {exc}"
 
 
 def peer_dies_during_a_call(rank: int, n: int, addr: str) -> str:
@@ -116,13 +103,10 @@ def peer_dies_during_a_call(rank: int, n: int, addr: str) -> str:
     with emulated(addr, rank, n) as (rt, comm):
         x = FakeDeviceArray(np.ones(4, np.float32), rt)
         comm.barrier()
-        if rank == 1:
-            os._exit(0)
-        try:
-            comm.all_reduce(x, async_op=True, timeout=30).synchronize()
-        except PeerFailure as exc:
-            return str(exc)
-        raise AssertionError("an all_reduce without rank 1 completed")
+        RankOneAway(rank).stays_away(dies=True)
+        exc = fails_without_rank_1("an all_reduce", PeerFailure, lambda: (
+            comm.all_reduce(x, async_op=True, timeout=30).synchronize()))
+        return str(exc)
 
 
 def watchdog_against_a_call_inside_nccl(rank: int, n: int, addr: str) -> str:
@@ -132,20 +116,16 @@ def watchdog_against_a_call_inside_nccl(rank: int, n: int, addr: str) -> str:
     with emulated(addr, rank, n) as (rt, comm):
         store = _store(addr)
         try:
-            x = FakeDeviceArray(np.ones(4, np.float32), rt)
-            comm.barrier()
-            if rank == 1:
-                store.get("test/done", timeout=30)
-                return ""
-            comm.all_reduce(x, async_op=True, timeout=0.5)
-            try:
-                comm.send(x, 1, timeout=20)
-            except GpucollError as exc:
+            with RankOneAway(rank, store, wait=30) as away:
+                x = FakeDeviceArray(np.ones(4, np.float32), rt)
+                comm.barrier()
+                if away.stays_away():
+                    return ""
+                comm.all_reduce(x, async_op=True, timeout=0.5)
+                exc = fails_without_rank_1("a send", GpucollError,
+                                           lambda: comm.send(x, 1, timeout=20))
                 return f"{type(exc).__name__}: {exc}"
-            raise AssertionError("a send nobody received completed")
         finally:
-            if rank == 0:
-                store.set("test/done", "1")
             store.close()
 
 

@@ -8,7 +8,6 @@ against NumPy, and finally asserts that the emulated NCCL saw no misuse.
 from __future__ import annotations
 
 import contextlib
-import os
 import time
 
 import ml_dtypes
@@ -18,6 +17,7 @@ from nccl_emulation import EmulatedRuntime, FakeDeviceArray
 from gpucoll import cuda
 from gpucoll.batch import P2POp
 from gpucoll.default import create
+from gpucoll.selftest import RankOneAway, fails_without_rank_1
 
 BF16 = np.dtype(ml_dtypes.bfloat16)
 
@@ -239,7 +239,7 @@ def split_cases(rank: int, n: int, addr: str) -> tuple:
 
 def missing_rank_at_start(rank: int, n: int, addr: str) -> str:
     """Rank 1 never joins; rank 0 must get a CollectiveTimeout naming it."""
-    if rank == 1:
+    if RankOneAway(rank).stays_away():
         return ""
     from gpucoll.backends.nccl import NcclBackend
     from gpucoll.errors import CollectiveTimeout
@@ -249,13 +249,11 @@ def missing_rank_at_start(rank: int, n: int, addr: str) -> str:
     cuda.set_runtime(rt)
     store = TCPStore(*parse_address(addr), timeout=10)
     try:
-        NcclBackend(PrefixStore("g/", store), 0, n, timeout=1.0)
-    except CollectiveTimeout as exc:
-        return str(exc)
+        return str(fails_without_rank_1("start-up", CollectiveTimeout, lambda: NcclBackend(
+            PrefixStore("g/", store), 0, n, timeout=1.0)))
     finally:
         store.close()
         rt.close()
-    raise AssertionError("start-up without rank 1 did not time out")
 
 
 def peer_never_calls(rank: int, n: int, addr: str) -> str:
@@ -268,28 +266,22 @@ def peer_never_calls(rank: int, n: int, addr: str) -> str:
     comm = create("nccl", rank=rank, world_size=n, store=addr, timeout=30)
     store = TCPStore(*parse_address(addr), timeout=30)
     try:
-        x = dev(rt, np.ones(4, np.float32))
-        comm.barrier()  # connected: what follows waits on the stream, not in the call
-        if rank == 1:
-            store.get("test/rank0-done", timeout=30)
-            return ""
-        work = comm.all_reduce(x, async_op=True, timeout=1.0)
-        try:
-            work.synchronize()
-        except CollectiveTimeout as exc:
-            message = str(exc)
-        else:
-            raise AssertionError("a collective without its peer completed")
-        try:
-            comm.all_reduce(x)
-        except CollectiveTimeout:
-            pass
-        else:
-            raise AssertionError("the aborted communicator accepted more work")
-        return message
+        with RankOneAway(rank, store, wait=30) as away:
+            x = dev(rt, np.ones(4, np.float32))
+            comm.barrier()  # connected: what follows waits on the stream, not in the call
+            if away.stays_away():
+                return ""
+            work = comm.all_reduce(x, async_op=True, timeout=1.0)
+            message = str(fails_without_rank_1("a collective", CollectiveTimeout,
+                                               work.synchronize))
+            try:
+                comm.all_reduce(x)
+            except CollectiveTimeout:
+                pass
+            else:
+                raise AssertionError("the aborted communicator accepted more work")
+            return message
     finally:
-        if rank == 0:
-            store.set("test/rank0-done", "1")
         comm.close()
         store.close()
         rt.close()
@@ -518,22 +510,16 @@ def host_array_without_its_peer(rank: int, n: int, addr: str, dies: bool) -> str
     with emulated(addr, rank, n) as (rt, comm):
         store = TCPStore(*parse_address(addr), timeout=30)
         try:
-            comm.barrier()
-            if rank == 1:
-                if dies:
-                    os._exit(0)
-                store.get("test/rank0-done", timeout=30)
-                return ""
-            x = np.arange(4, dtype=np.float32)
-            expected = PeerFailure if dies else CollectiveTimeout
-            started = time.monotonic()
-            try:
-                comm.all_reduce(x, timeout=30 if dies else 1.0)
-            except expected as exc:
+            with RankOneAway(rank, store, wait=30) as away:
+                comm.barrier()
+                if away.stays_away(dies=dies):
+                    return ""
+                x = np.arange(4, dtype=np.float32)
+                expected = PeerFailure if dies else CollectiveTimeout
+                started = time.monotonic()
+                exc = fails_without_rank_1("an all_reduce", expected, lambda: comm.all_reduce(
+                    x, timeout=30 if dies else 1.0))
                 np.testing.assert_array_equal(x, np.arange(4, dtype=np.float32))
                 return f"{time.monotonic() - started:.1f} s: {exc}"
-            raise AssertionError("an all_reduce without its peer completed")
         finally:
-            if rank == 0:
-                store.set("test/rank0-done", "1")
             store.close()

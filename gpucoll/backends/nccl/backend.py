@@ -6,7 +6,7 @@ rank becomes a ``CollectiveTimeout`` naming it (and a rank that died a ``PeerFai
 before any rank enters NCCL. Rank 0 then makes the unique id and publishes its 128 bytes; the
 others read them. The communicator itself is made by ``driver``.
 
-Every call
+Every call (each enqueues its work in a ``Call`` block, which does the steps below)
 1. makes the communicator's device current while it runs, and restores the caller's, so that
    its events and temporaries belong to that device whichever thread or device context the
    caller is in;
@@ -279,9 +279,9 @@ class NcclBackend(Backend):
         self._last = Pending(event, deadline, opname, timeout, keep)
         self._watchdog.add(self._last)
 
-    def _run(self, opname: str, fn: Callable, *args: Any, deadline: float, timeout: float,
-             **kwargs: Any) -> None:
-        self._nc.call(opname, fn, *args, deadline=deadline, timeout=timeout, **kwargs)
+    def _call(self, opname: str, stream: Any, timeout: float, refs: tuple) -> Call:
+        """The block in which one call is enqueued (``Call``), within ``timeout``."""
+        return Call(self, opname, stream, timeout, refs)
 
     def _copy(self, dst: int, src: int, nbytes: int, s: int) -> None:
         if dst != src and nbytes:
@@ -292,133 +292,82 @@ class NcclBackend(Backend):
     @host_arrays("x")
     def all_reduce(self, x: Any, op: ReduceOp, *, timeout: float, stream: Any = None) -> None:
         plan = reduce_plan(op, x.dtype, "all_reduce")
-        deadline = time.monotonic() + timeout
-        with self._rt.using_device(self.device):
-            s = self._begin("all_reduce", stream, timeout, (x,))
-            keep = None
-            if x.count and plan.native:
-                buf = Buf(x.ptr, x.count * plan.factor, plan.code)
-                self._run("all_reduce", self._nc.calls.allreduce, buf, buf, plan.op, stream=s,
-                          deadline=deadline, timeout=timeout)
-            elif x.count:  # all-gather every rank's x, then reduce the slots locally
-                n = x.count * plan.factor
-                keep = self._rt.alloc_device(self.size * x.nbytes, s)
-                self._run("all_reduce", self._nc.calls.allgather, Buf(x.ptr, n, plan.code),
-                          Buf(keep.ptr, self.size * n, plan.code), stream=s,
-                          deadline=deadline, timeout=timeout)
-                self._rt.reduce_slots(op.value, keep.ptr, x.ptr, self.size, x.count, x.dtype, s)
-            self._end("all_reduce", s, deadline, timeout, (x, keep))
+        with self._call("all_reduce", stream, timeout, (x,)) as call:
+            if x.count:
+                self._all_reduce_into(call, x, x, plan, op)
 
     @host_arrays("x")
     def broadcast(self, x: Any, root: int, *, timeout: float, stream: Any = None) -> None:
-        deadline = time.monotonic() + timeout
-        with self._rt.using_device(self.device):
-            s = self._begin("broadcast", stream, timeout, (x,))
+        with self._call("broadcast", stream, timeout, (x,)) as call:
             if x.count:
                 w = wire(x.dtype)
                 buf = Buf(x.ptr, x.count * w.factor, w.code)
-                self._run("broadcast", self._nc.calls.broadcast, buf, buf, root, stream=s,
-                          deadline=deadline, timeout=timeout)
-            self._end("broadcast", s, deadline, timeout, x)
+                call.run(self._nc.calls.broadcast, buf, buf, root)
 
     @host_arrays("x")
     def reduce(self, x: Any, root: int, op: ReduceOp, *, timeout: float,
                stream: Any = None) -> None:
         plan = reduce_plan(op, x.dtype, "reduce")
-        deadline = time.monotonic() + timeout
-        with self._rt.using_device(self.device):
-            s = self._begin("reduce", stream, timeout, (x,))
-            keep = None
+        with self._call("reduce", stream, timeout, (x,)) as call:
             if x.count and plan.native:
                 buf = Buf(x.ptr, x.count * plan.factor, plan.code)
-                self._run("reduce", self._nc.calls.reduce, buf, buf, plan.op, root, stream=s,
-                          deadline=deadline, timeout=timeout)
+                call.run(self._nc.calls.reduce, buf, buf, plan.op, root)
             elif x.count:  # gather every rank's x on root, which reduces the slots locally
-                if self.rank == root:
-                    keep = self._rt.alloc_device(self.size * x.nbytes, s)
-                self._gather_to(x, keep.ptr if keep is not None else 0, root, s, "reduce",
-                                deadline, timeout)
-                if keep is not None:
-                    self._rt.reduce_slots(op.value, keep.ptr, x.ptr, self.size, x.count,
-                                          x.dtype, s)
-            self._end("reduce", s, deadline, timeout, (x, keep))
+                self._gather_reduced(call, x, x, root, op)
 
     @host_arrays("out")
     def all_gather(self, x: Any, out: Any, *, timeout: float, stream: Any = None) -> None:
-        deadline = time.monotonic() + timeout
-        with self._rt.using_device(self.device):
-            s = self._begin("all_gather", stream, timeout, (x, out))
+        with self._call("all_gather", stream, timeout, (x, out)) as call:
             if x.count:
                 w = wire(x.dtype)
                 n = x.count * w.factor
-                self._run("all_gather", self._nc.calls.allgather, Buf(x.ptr, n, w.code),
-                          Buf(out.ptr, self.size * n, w.code), stream=s,
-                          deadline=deadline, timeout=timeout)
-            self._end("all_gather", s, deadline, timeout, (x, out))
+                call.run(self._nc.calls.allgather, Buf(x.ptr, n, w.code),
+                         Buf(out.ptr, self.size * n, w.code))
 
     @host_arrays("out")
     def reduce_scatter(self, x: Any, out: Any, op: ReduceOp, *, timeout: float,
                        stream: Any = None) -> None:
         plan = reduce_plan(op, x.dtype, "reduce_scatter")
-        deadline = time.monotonic() + timeout
-        with self._rt.using_device(self.device):
-            s = self._begin("reduce_scatter", stream, timeout, (x, out))
-            keep = None
+        with self._call("reduce_scatter", stream, timeout, (x, out)) as call:
             n = out.count * plan.factor
             if out.count and plan.native:
-                self._run("reduce_scatter", self._nc.calls.reduce_scatter,
-                          Buf(x.ptr, self.size * n, plan.code),
-                          Buf(out.ptr, n, plan.code), plan.op, stream=s,
-                          deadline=deadline, timeout=timeout)
+                call.run(self._nc.calls.reduce_scatter, Buf(x.ptr, self.size * n, plan.code),
+                         Buf(out.ptr, n, plan.code), plan.op)
             elif out.count:  # all-to-all brings every rank's slot `rank` here; reduce locally
-                keep = self._rt.alloc_device(x.nbytes, s)
-                self._exchange(x.ptr, keep.ptr, out.count, out.dtype, s, "reduce_scatter",
-                               deadline, timeout)
+                keep = call.keep = self._rt.alloc_device(x.nbytes, call.s)
+                self._exchange(call, x.ptr, keep.ptr, out.count, out.dtype)
                 self._rt.reduce_slots(op.value, keep.ptr, out.ptr, self.size, out.count,
-                                      out.dtype, s)
-            self._end("reduce_scatter", s, deadline, timeout, (x, out, keep))
+                                      out.dtype, call.s)
 
     @host_arrays("out")
     def gather(self, x: Any, out: Any | None, root: int, *, timeout: float,
                stream: Any = None) -> None:
-        deadline = time.monotonic() + timeout
-        with self._rt.using_device(self.device):
-            s = self._begin("gather", stream, timeout, (x, out))
+        with self._call("gather", stream, timeout, (x, out)) as call:
             if x.count:
-                self._gather_to(x, out.ptr if out is not None else 0, root, s, "gather",
-                                deadline, timeout)
-            self._end("gather", s, deadline, timeout, (x, out))
+                self._gather_to(call, x, out.ptr if out is not None else 0, root)
 
     @host_arrays("out")
     def scatter(self, x: Any | None, out: Any, root: int, *, timeout: float,
                 stream: Any = None) -> None:
-        deadline = time.monotonic() + timeout
-        with self._rt.using_device(self.device):
-            s = self._begin("scatter", stream, timeout, (x, out))
+        with self._call("scatter", stream, timeout, (x, out)) as call:
             if out.count:
                 w = wire(out.dtype)
-                n, slot = out.count * w.factor, out.nbytes
+                n, slot, s = out.count * w.factor, out.nbytes, call.s
                 comm = self._nc.calls
                 if self.rank == root:
-                    calls = [(comm.send, (Buf(x.ptr + r * slot, n, w.code), r),
-                              {"stream": s}) for r in range(self.size) if r != root]
-                    self._nc.group("scatter", calls, deadline=deadline, timeout=timeout)
+                    call.group([(comm.send, (Buf(x.ptr + r * slot, n, w.code), r),
+                                 {"stream": s}) for r in range(self.size) if r != root],
+                               even_empty=True)
                     self._copy(out.ptr, x.ptr + root * slot, slot, s)
                 else:
-                    self._run("scatter", comm.recv, Buf(out.ptr, n, w.code), root,
-                              stream=s, deadline=deadline, timeout=timeout)
-            self._end("scatter", s, deadline, timeout, (x, out))
+                    call.run(comm.recv, Buf(out.ptr, n, w.code), root)
 
     @host_arrays("out")
     def all_to_all(self, x: Any, out: Any, *, timeout: float, stream: Any = None) -> None:
-        deadline = time.monotonic() + timeout
-        with self._rt.using_device(self.device):
-            s = self._begin("all_to_all", stream, timeout, (x, out))
+        with self._call("all_to_all", stream, timeout, (x, out)) as call:
             n = out.count // self.size
             if n:
-                self._exchange(x.ptr, out.ptr, n, out.dtype, s, "all_to_all", deadline,
-                               timeout)
-            self._end("all_to_all", s, deadline, timeout, (x, out))
+                self._exchange(call, x.ptr, out.ptr, n, out.dtype)
 
     @host_arrays()
     def send(self, x: Any, dst: int, *, timeout: float, stream: Any = None,
@@ -433,50 +382,61 @@ class NcclBackend(Backend):
 
     def _p2p(self, opname: str, fn: Callable, x: Any, peer: int, timeout: float,
              stream: Any) -> None:
-        deadline = time.monotonic() + timeout
-        with self._rt.using_device(self.device):
-            s = self._begin(opname, stream, timeout, (x,))
+        with self._call(opname, stream, timeout, (x,)) as call:
             if x.count:
                 w = wire(x.dtype)
-                self._run(opname, fn, Buf(x.ptr, x.count * w.factor, w.code), peer,
-                          stream=s, deadline=deadline, timeout=timeout)
-            self._end(opname, s, deadline, timeout, x)
+                call.run(fn, Buf(x.ptr, x.count * w.factor, w.code), peer)
 
     def barrier(self, *, timeout: float) -> None:
         """All ranks reach this point: a one-element all-reduce on the current stream, then
         the host waits for it (after earlier work on that stream), within ``timeout``."""
-        deadline = time.monotonic() + timeout
-        with self._rt.using_device(self.device):
-            s = self._begin("barrier", None, timeout, ())
+        with self._call("barrier", None, timeout, ()) as call:
             if self._scratch is None:
-                self._scratch = self._rt.alloc_device(4, s)
+                self._scratch = self._rt.alloc_device(4, call.s)
             buf = Buf(self._scratch.ptr, 1, _INT32)
-            self._run("barrier", self._nc.calls.allreduce, buf, buf, 0, stream=s,
-                      deadline=deadline, timeout=timeout)  # ncclSum
-            self._end("barrier", s, deadline, timeout, None)
+            call.run(self._nc.calls.allreduce, buf, buf, 0)  # ncclSum
         EventWork(self, self._last).synchronize()
 
-    # ---- grouped helpers ----------------------------------------------------------------
+    # ---- helpers ----------------------------------------------------------------------------
 
-    def _gather_to(self, x: Any, out_ptr: int, root: int, s: int, opname: str,
-                   deadline: float, timeout: float) -> None:
+    def _all_reduce_into(self, call: Call, x: Any, out: Any, plan: Any, op: ReduceOp) -> None:
+        """``x`` reduced over every rank into ``out`` (``x`` itself: in place). A reduction
+        NCCL lacks is an all-gather of every rank's x, then the slots reduced locally."""
+        n = x.count * plan.factor
+        send = Buf(x.ptr, n, plan.code)
+        if plan.native:
+            recv = send if out is x else Buf(out.ptr, n, plan.code)
+            call.run(self._nc.calls.allreduce, send, recv, plan.op)
+            return
+        keep = call.keep = self._rt.alloc_device(self.size * x.nbytes, call.s)
+        call.run(self._nc.calls.allgather, send, Buf(keep.ptr, self.size * n, plan.code))
+        self._rt.reduce_slots(op.value, keep.ptr, out.ptr, self.size, x.count, x.dtype, call.s)
+
+    def _gather_to(self, call: Call, x: Any, out_ptr: int, root: int) -> None:
         """Rank r's ``x`` lands in slot r of ``out_ptr`` on ``root`` (grouped recvs there)."""
         w = wire(x.dtype)
-        n, comm = x.count * w.factor, self._nc.calls
+        n, comm, s = x.count * w.factor, self._nc.calls, call.s
         if self.rank != root:
-            self._run(opname, comm.send, Buf(x.ptr, n, w.code), root, stream=s,
-                      deadline=deadline, timeout=timeout)
+            call.run(comm.send, Buf(x.ptr, n, w.code), root)
             return
-        calls = [(comm.recv, (Buf(out_ptr + r * x.nbytes, n, w.code), r), {"stream": s})
-                 for r in range(self.size) if r != root]
-        self._nc.group(opname, calls, deadline=deadline, timeout=timeout)
+        call.group([(comm.recv, (Buf(out_ptr + r * x.nbytes, n, w.code), r), {"stream": s})
+                    for r in range(self.size) if r != root], even_empty=True)
         self._copy(out_ptr + root * x.nbytes, x.ptr, x.nbytes, s)
 
-    def _exchange(self, src: int, dst: int, n: int, dtype: Any, s: int, opname: str,
-                  deadline: float, timeout: float) -> None:
+    def _gather_reduced(self, call: Call, x: Any, out: Any, root: int, op: ReduceOp) -> None:
+        """A reduce NCCL lacks: every rank's ``x`` gathered on ``root`` (into a temporary,
+        ``call.keep``), which reduces the slots into ``out``."""
+        if self.rank == root:
+            call.keep = self._rt.alloc_device(self.size * x.nbytes, call.s)
+        self._gather_to(call, x, call.keep.ptr if call.keep is not None else 0, root)
+        if call.keep is not None:
+            self._rt.reduce_slots(op.value, call.keep.ptr, out.ptr, self.size, x.count,
+                                  x.dtype, call.s)
+
+    def _exchange(self, call: Call, src: int, dst: int, n: int, dtype: Any) -> None:
         """All-to-all of ``n``-element slots: dst slot j = rank j's src slot ``rank``."""
         w = wire(dtype)
-        slot, count, comm = n * dtype.itemsize, n * w.factor, self._nc.calls
+        slot, count, comm, s = n * dtype.itemsize, n * w.factor, self._nc.calls, call.s
         calls = []
         for r in range(self.size):
             if r != self.rank:
@@ -484,12 +444,8 @@ class NcclBackend(Backend):
                               {"stream": s}))
                 calls.append((comm.recv, (Buf(dst + r * slot, count, w.code), r),
                               {"stream": s}))
-        self._nc.group(opname, calls, deadline=deadline, timeout=timeout)
+        call.group(calls, even_empty=True)
         self._copy(dst + self.rank * slot, src + self.rank * slot, slot, s)
-
-    def _group_of(self, opname: str, calls: list, deadline: float, timeout: float) -> None:
-        if calls:
-            self._nc.group(opname, calls, deadline=deadline, timeout=timeout)
 
     # ---- out of place: NCCL reads x and writes out ------------------------------------------
 
@@ -497,60 +453,33 @@ class NcclBackend(Backend):
     def all_reduce_out(self, x: Any, out: Any, op: ReduceOp, *, timeout: float,
                        stream: Any = None) -> None:
         plan = reduce_plan(op, x.dtype, "all_reduce")
-        deadline = time.monotonic() + timeout
-        with self._rt.using_device(self.device):
-            s = self._begin("all_reduce", stream, timeout, (x, out))
-            keep, n = None, x.count * plan.factor
-            if x.count and plan.native:
-                self._run("all_reduce", self._nc.calls.allreduce, Buf(x.ptr, n, plan.code),
-                          Buf(out.ptr, n, plan.code), plan.op, stream=s,
-                          deadline=deadline, timeout=timeout)
-            elif x.count:  # all-gather every rank's x, then reduce the slots locally into out
-                keep = self._rt.alloc_device(self.size * x.nbytes, s)
-                self._run("all_reduce", self._nc.calls.allgather, Buf(x.ptr, n, plan.code),
-                          Buf(keep.ptr, self.size * n, plan.code), stream=s,
-                          deadline=deadline, timeout=timeout)
-                self._rt.reduce_slots(op.value, keep.ptr, out.ptr, self.size, x.count, x.dtype,
-                                      s)
-            self._end("all_reduce", s, deadline, timeout, (x, out, keep))
+        with self._call("all_reduce", stream, timeout, (x, out)) as call:
+            if x.count:
+                self._all_reduce_into(call, x, out, plan, op)
 
     @host_arrays("out")
     def reduce_out(self, x: Any, out: Any | None, root: int, op: ReduceOp, *, timeout: float,
                    stream: Any = None) -> None:
         plan = reduce_plan(op, x.dtype, "reduce")
-        deadline = time.monotonic() + timeout
-        with self._rt.using_device(self.device):
-            s = self._begin("reduce", stream, timeout, (x, out))
-            keep, n = None, x.count * plan.factor
+        with self._call("reduce", stream, timeout, (x, out)) as call:
+            n = x.count * plan.factor
             if x.count and plan.native:  # the receive buffer is read on root only
                 recv = out if out is not None else x
-                self._run("reduce", self._nc.calls.reduce, Buf(x.ptr, n, plan.code),
-                          Buf(recv.ptr, n, plan.code), plan.op, root, stream=s,
-                          deadline=deadline, timeout=timeout)
+                call.run(self._nc.calls.reduce, Buf(x.ptr, n, plan.code),
+                         Buf(recv.ptr, n, plan.code), plan.op, root)
             elif x.count:
-                if self.rank == root:
-                    keep = self._rt.alloc_device(self.size * x.nbytes, s)
-                self._gather_to(x, keep.ptr if keep is not None else 0, root, s, "reduce",
-                                deadline, timeout)
-                if keep is not None:
-                    self._rt.reduce_slots(op.value, keep.ptr, out.ptr, self.size, x.count,
-                                          x.dtype, s)
-            self._end("reduce", s, deadline, timeout, (x, out, keep))
+                self._gather_reduced(call, x, out, root, op)
 
     @host_arrays("out")
     def broadcast_out(self, x: Any | None, out: Any, root: int, *, timeout: float,
                       stream: Any = None) -> None:
-        deadline = time.monotonic() + timeout
-        with self._rt.using_device(self.device):
-            s = self._begin("broadcast", stream, timeout, (x, out))
+        with self._call("broadcast", stream, timeout, (x, out)) as call:
             if out.count:
                 w = wire(out.dtype)
                 n = out.count * w.factor
                 send = x if self.rank == root else out  # the send buffer is read on root only
-                self._run("broadcast", self._nc.calls.broadcast, Buf(send.ptr, n, w.code),
-                          Buf(out.ptr, n, w.code), root, stream=s, deadline=deadline,
-                          timeout=timeout)
-            self._end("broadcast", s, deadline, timeout, (x, out))
+                call.run(self._nc.calls.broadcast, Buf(send.ptr, n, w.code),
+                         Buf(out.ptr, n, w.code), root)
 
     # ---- uneven sizes -----------------------------------------------------------------------
 
@@ -566,57 +495,45 @@ class NcclBackend(Backend):
     def exchange(self, sends: Sequence[tuple[int, Any]], recvs: Sequence[tuple[int, Any]],
                  layout: int, *, timeout: float, stream: Any = None) -> None:
         """One NCCL group of sends and receives; what a rank sends itself is a device copy."""
-        deadline = time.monotonic() + timeout
         refs = tuple(r for _, r in (*sends, *recvs))
-        with self._rt.using_device(self.device):
-            s = self._begin("exchange", stream, timeout, refs)
-            comm, me = self._nc.calls, self.rank
+        with self._call("exchange", stream, timeout, refs) as call:
+            comm, me, s = self._nc.calls, self.rank, call.s
             own = [r for p, r in recvs if p == me]
             for i, src in enumerate(r for p, r in sends if p == me):
                 self._copy(own[i].ptr, src.ptr, src.nbytes, s)
             calls = [self._group_p2p(comm.send, ref, peer, s) for peer, ref in sends if peer != me]
             calls += [self._group_p2p(comm.recv, ref, peer, s) for peer, ref in recvs if peer != me]
-            self._group_of("exchange", calls, deadline, timeout)
-            self._end("exchange", s, deadline, timeout, refs)
+            call.group(calls)
 
     @host_arrays("out")
     def all_gather_v(self, x: Any, out: Any, counts: Sequence[int], layout: int, *,
                      timeout: float, stream: Any = None) -> None:
-        deadline = time.monotonic() + timeout
         item, n, total = x.dtype.itemsize, self.size, sum(counts)
         biggest = max(counts)
-        with self._rt.using_device(self.device):
-            s = self._begin("all_gather_v", stream, timeout, (x, out))
-            keep = None
+        with self._call("all_gather_v", stream, timeout, (x, out)) as call:
             if not total:
                 pass
             elif total * item >= PADDED_MIN_BYTES and n * biggest <= PADDED_MAX_WASTE * total:
-                keep = self._padded_all_gather(x, out, counts, biggest, s, deadline, timeout)
+                self._padded_all_gather(call, x, out, counts, biggest)
             elif total * item <= BROADCAST_MAX_BYTES:
-                self._group_of("all_gather_v", self._broadcasts(x, out, counts, s), deadline,
-                               timeout)
+                call.group(self._broadcasts(x, out, counts, call.s))
             else:  # a group of sends and receives, straight into the slots of out
-                self._group_of("all_gather_v", self._sends_and_receives(x, out, counts, s),
-                               deadline, timeout)
-            self._end("all_gather_v", s, deadline, timeout, (x, out, keep))
+                call.group(self._sends_and_receives(x, out, counts, call.s))
 
-    def _padded_all_gather(self, x: Any, out: Any, counts: Sequence[int], biggest: int,
-                           s: int, deadline: float, timeout: float) -> Any:
+    def _padded_all_gather(self, call: Call, x: Any, out: Any, counts: Sequence[int],
+                           biggest: int) -> None:
         """One all-gather of slots padded to the largest, then each slot copied into place;
-        returns the scratch buffer (kept alive until the call completes)."""
-        w, item, n = wire(x.dtype), x.dtype.itemsize, self.size
-        keep = self._rt.alloc_device((n + 1) * biggest * item, s)
+        its scratch buffer is ``call.keep`` (alive until the call completes)."""
+        w, item, n, s = wire(x.dtype), x.dtype.itemsize, self.size, call.s
+        keep = call.keep = self._rt.alloc_device((n + 1) * biggest * item, s)
         padded = keep.ptr + n * biggest * item  # this rank's padded slot, after the others
         self._copy(padded, x.ptr, x.nbytes, s)
-        self._run("all_gather_v", self._nc.calls.allgather,
-                  Buf(padded, biggest * w.factor, w.code),
-                  Buf(keep.ptr, n * biggest * w.factor, w.code), stream=s,
-                  deadline=deadline, timeout=timeout)
+        call.run(self._nc.calls.allgather, Buf(padded, biggest * w.factor, w.code),
+                 Buf(keep.ptr, n * biggest * w.factor, w.code))
         start = 0
         for r, k in enumerate(counts):
             self._copy(out.ptr + start * item, keep.ptr + r * biggest * item, k * item, s)
             start += k
-        return keep
 
     def _broadcasts(self, x: Any, out: Any, counts: Sequence[int], s: int) -> list:
         """One broadcast per rank, from its x into its slot of out."""
@@ -645,11 +562,9 @@ class NcclBackend(Backend):
     def reduce_scatter_v(self, x: Any, out: Any, counts: Sequence[int], op: ReduceOp,
                          layout: int, *, timeout: float, stream: Any = None) -> None:
         plan = reduce_plan(op, x.dtype, "reduce_scatter_v")
-        deadline = time.monotonic() + timeout
         item, me, comm = x.dtype.itemsize, self.rank, self._nc.calls
-        with self._rt.using_device(self.device):
-            s = self._begin("reduce_scatter_v", stream, timeout, (x, out))
-            keep = None
+        with self._call("reduce_scatter_v", stream, timeout, (x, out)) as call:
+            s = call.s
             if not sum(counts):
                 pass
             elif plan.native:  # one reduce per slot, to the rank that owns it, as one group
@@ -659,9 +574,9 @@ class NcclBackend(Backend):
                     recv = Buf(out.ptr, k * plan.factor, plan.code) if r == me else send
                     calls.append((comm.reduce, (send, recv, plan.op, r), {"stream": s}))
                     start += k
-                self._group_of("reduce_scatter_v", calls, deadline, timeout)
+                call.group(calls)
             else:  # every rank's slot `me` comes here (grouped send/recv), then a local reduction
-                keep = self._rt.alloc_device(self.size * out.nbytes, s)
+                keep = call.keep = self._rt.alloc_device(self.size * out.nbytes, s)
                 calls, start = [], 0
                 for r, k in enumerate(counts):
                     if r != me:
@@ -672,11 +587,10 @@ class NcclBackend(Backend):
                         self._copy(keep.ptr + me * out.nbytes, x.ptr + start * item,
                                    out.nbytes, s)
                     start += k
-                self._group_of("reduce_scatter_v", calls, deadline, timeout)
+                call.group(calls)
                 if out.count:
                     self._rt.reduce_slots(op.value, keep.ptr, out.ptr, self.size, out.count,
                                           out.dtype, s)
-            self._end("reduce_scatter_v", s, deadline, timeout, (x, out, keep))
 
     # ---- many arrays, and point to point in one go ------------------------------------------
 
@@ -684,10 +598,8 @@ class NcclBackend(Backend):
     def all_reduce_coalesced(self, xs: Sequence[Any], op: ReduceOp, *, timeout: float,
                              stream: Any = None) -> None:
         """The arrays NCCL reduces natively as one group (one launch); the others one by one."""
-        deadline = time.monotonic() + timeout
         rest = []
-        with self._rt.using_device(self.device):
-            s = self._begin("all_reduce_many", stream, timeout, tuple(xs))
+        with self._call("all_reduce_many", stream, timeout, tuple(xs)) as call:
             calls = []
             for x in xs:
                 plan = reduce_plan(op, x.dtype, "all_reduce_many")
@@ -695,9 +607,9 @@ class NcclBackend(Backend):
                     rest.append(x)
                 elif x.count:
                     buf = Buf(x.ptr, x.count * plan.factor, plan.code)
-                    calls.append((self._nc.calls.allreduce, (buf, buf, plan.op), {"stream": s}))
-            self._group_of("all_reduce_many", calls, deadline, timeout)
-            self._end("all_reduce_many", s, deadline, timeout, tuple(xs))
+                    calls.append((self._nc.calls.allreduce, (buf, buf, plan.op),
+                                  {"stream": call.s}))
+            call.group(calls)
         for x in rest:
             self.all_reduce(x, op, timeout=timeout, stream=stream)
 
@@ -705,15 +617,11 @@ class NcclBackend(Backend):
     def batch_p2p(self, ops: Sequence[tuple[bool, Any, int]], *, timeout: float,
                   stream: Any = None, tags: Sequence[int] | None = None) -> list:
         """Every send and receive as one NCCL group; they share its completion event."""
-        deadline = time.monotonic() + timeout
         refs = tuple(ref for _, ref, _ in ops)
-        with self._rt.using_device(self.device):
-            s = self._begin("batch_isend_irecv", stream, timeout, refs)
+        with self._call("batch_isend_irecv", stream, timeout, refs) as call:
             comm = self._nc.calls
-            calls = [self._group_p2p(comm.send if sending else comm.recv, ref, peer, s)
-                     for sending, ref, peer in ops]
-            self._group_of("batch_isend_irecv", calls, deadline, timeout)
-            self._end("batch_isend_irecv", s, deadline, timeout, refs)
+            call.group([self._group_p2p(comm.send if sending else comm.recv, ref, peer, call.s)
+                        for sending, ref, peer in ops])
         return [EventWork(self, self._last) for _ in ops]
 
     # ---- async, lifecycle -------------------------------------------------------------------
@@ -847,6 +755,54 @@ POLL_MAX = 0.05  # seconds between polls of a pending event, at most
 LINGER = 0.01  # seconds the watchdog keeps polling after its queue empties, before it idles
 TICK = 0.5  # seconds between looks at the store (dead peers; this rank's position)
 PROGRESS_KEY = "progress/{}"
+
+
+class Call:
+    """One call being enqueued, as a ``with`` block (``NcclBackend._call``). Entering it makes
+    the communicator's device current, checks the buffers ``refs`` and resolves the stream
+    ``s``, ordered after the data's producers (``_begin``); ``run`` and ``group`` enqueue NCCL's
+    work on ``s`` under the call's deadline. Leaving it without an error records the completion
+    event for the watchdog (``_end``), with ``refs`` and ``keep`` (a temporary buffer of the
+    call) referenced until then; the caller's device is current again either way."""
+
+    __slots__ = ("backend", "opname", "stream", "timeout", "deadline", "refs", "s", "keep",
+                 "_guard")
+
+    def __init__(self, backend: NcclBackend, opname: str, stream: Any, timeout: float,
+                 refs: tuple):
+        self.backend, self.opname, self.stream, self.refs = backend, opname, stream, refs
+        self.timeout, self.deadline = timeout, time.monotonic() + timeout
+        self.keep: Any = None
+
+    def __enter__(self) -> Call:
+        backend = self.backend
+        self._guard = guard = backend._rt.using_device(backend.device)
+        guard.__enter__()
+        try:
+            self.s = backend._begin(self.opname, self.stream, self.timeout, self.refs)
+        except BaseException as exc:
+            guard.__exit__(type(exc), exc, exc.__traceback__)
+            raise
+        return self
+
+    def __exit__(self, kind: Any, exc: Any, tb: Any) -> None:
+        try:
+            if kind is None:
+                self.backend._end(self.opname, self.s, self.deadline, self.timeout,
+                                  (self.refs, self.keep))
+        finally:
+            self._guard.__exit__(kind, exc, tb)
+
+    def run(self, fn: Callable, *args: Any) -> None:
+        """``fn(*args, stream=s)``, one of the driver's ``calls``."""
+        self.backend._nc.call(self.opname, fn, *args, stream=self.s, deadline=self.deadline,
+                              timeout=self.timeout)
+
+    def group(self, calls: list, *, even_empty: bool = False) -> None:
+        """``calls`` as one NCCL group; none when it is empty, unless ``even_empty``."""
+        if calls or even_empty:
+            self.backend._nc.group(self.opname, calls, deadline=self.deadline,
+                                   timeout=self.timeout)
 
 
 @dataclasses.dataclass(slots=True)
