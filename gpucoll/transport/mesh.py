@@ -28,6 +28,7 @@ from __future__ import annotations
 
 import fcntl
 import json
+import logging
 import os
 import select
 import socket
@@ -55,6 +56,10 @@ from gpucoll.transport.engine import State
 
 TRANSPORTS = ("auto", "shm", "tcp")
 CONTROL, DATA = b"c", b"d"
+HELLO_WAIT = 5.0  # seconds a connection to a rank's listener has to present its hello
+BACKLOG = 128  # room in a listener's queue beyond our ranks' connections, for strays
+MAX_PENDING = 256  # connections waiting for their hello at once; beyond, the oldest is dropped
+log = logging.getLogger("gpucoll.transport")
 
 
 def host_identity() -> str:
@@ -161,6 +166,7 @@ class Mesh:
         self._liveness = liveness
         self._listeners: list[socket.socket] = []
         self._unwrapped: dict[int, socket.socket] = {}
+        self.strays = 0  # connections to our listeners dropped for want of a valid hello
         _LIVE.add(self)
         try:
             self._build(store, timeout)
@@ -178,10 +184,10 @@ class Mesh:
         rank, size = self.rank, self.size
         nonce = uuid.uuid4().bytes
         prefix = os.environ.get("GPUCOLL_SHM_PREFIX", "gpucoll")
-        tcp_listener = listen_tcp(2 * size + 16)
+        tcp_listener = listen_tcp(2 * size + BACKLOG)
         self._listeners.append(tcp_listener)
         unix_name = f"{prefix[:40]}-{nonce.hex()}-{rank}"  # abstract names hold 107 bytes
-        self._listeners.append(_listen_unix(unix_name, 2 * size + 16))
+        self._listeners.append(_listen_unix(unix_name, 2 * size + BACKLOG))
         if self._liveness is None:  # a rank that dies during set-up is named at once
             self._liveness = Liveness.of(store, rank, size)
         me = {"host": advertised_host(store), "port": tcp_listener.getsockname()[1],
@@ -245,11 +251,30 @@ class Mesh:
             send_all(sock, HELLO.pack(hello, self.rank, channel), deadline, what)
 
     def _connect_unix(self, j: int, peer: dict, deadline: float) -> socket.socket:
+        """Connect to rank ``j``'s abstract Unix socket; a full backlog (other connections not
+        yet accepted) is retried until ``deadline``."""
+        delay = 0.01
+        while True:
+            try:
+                return self._try_unix(j, peer, deadline)
+            except BlockingIOError:
+                if time.monotonic() + delay >= deadline:
+                    raise CollectiveTimeout(
+                        f"ring set-up on rank {self.rank}: rank {j}'s Unix socket accepted no "
+                        f"connection in time") from None
+                self._check_alive([j])
+                time.sleep(delay)
+                delay = min(delay * 2, 0.2)
+
+    def _try_unix(self, j: int, peer: dict, deadline: float) -> socket.socket:
         sock = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
         try:
             sock.settimeout(max(deadline - time.monotonic(), 0.001))
             sock.connect("\0" + peer["unix"])
             sock.settimeout(None)
+        except BlockingIOError:
+            sock.close()
+            raise
         except OSError as exc:
             sock.close()
             raise PeerFailure(
@@ -263,35 +288,88 @@ class Mesh:
         return sock
 
     def _accept(self, kinds: list, nonce: bytes, data: dict, deadline: float) -> None:
+        """Accept the connections of the higher ranks. Each must present its hello (our nonce,
+        its rank, the channel) within ``HELLO_WAIT`` seconds; one that closes, sends something
+        else or stays silent (a port scanner, a health check) is dropped and counted in
+        ``strays`` while set-up goes on."""
         expected = set()
         for j in range(self.rank + 1, self.size):
             expected.add((j, CONTROL))
             if kinds[j] != "shm":
                 expected.add((j, DATA))
-        while expected:
-            remaining = deadline - time.monotonic()
-            if remaining <= 0:
-                missing = sorted({j for j, _ in expected})
-                raise CollectiveTimeout(
-                    f"ring set-up on rank {self.rank}: ranks {missing} did not connect in time")
-            ready, _, _ = select.select(self._listeners, [], [], min(remaining, POLL))
-            if not ready:
-                self._check_alive(sorted({j for j, _ in expected}))
-            for listener in ready:
-                sock, _ = listener.accept()
-                try:
-                    if sock.family == socket.AF_INET:
-                        tune(sock)
-                    got, j, channel = HELLO.unpack(
-                        recv_exact(sock, HELLO.size, deadline, "a connecting rank"))
-                except BaseException:
-                    sock.close()
-                    raise
-                if got != nonce or (j, channel) not in expected:
-                    sock.close()  # a stray or repeated connection, not one of ours
-                    continue
-                expected.discard((j, channel))
-                (self.control if channel == CONTROL else data)[j] = sock
+        pending: dict[socket.socket, tuple[bytearray, float]] = {}  # sock -> (hello, until)
+        for listener in self._listeners:
+            listener.setblocking(False)
+        try:
+            while expected:
+                now = time.monotonic()
+                remaining = deadline - now
+                if remaining <= 0:
+                    missing = sorted({j for j, _ in expected})
+                    raise CollectiveTimeout(
+                        f"ring set-up on rank {self.rank}: ranks {missing} did not connect in "
+                        f"time")
+                for sock, (_, until) in list(pending.items()):
+                    if now >= until:
+                        self._stray(pending, sock, f"sent no hello in {HELLO_WAIT:g} s")
+                wait = min([remaining, POLL, *(until - now for _, until in pending.values())])
+                ready, _, _ = select.select([*self._listeners, *pending], [], [], max(wait, 0))
+                if not ready:
+                    self._check_alive(sorted({j for j, _ in expected}))
+                for sock in ready:
+                    if sock in pending:
+                        self._read_hello(sock, pending, nonce, expected, data)
+                        continue
+                    try:
+                        conn, _ = sock.accept()
+                    except OSError:  # gone again before we took it (or nothing there)
+                        continue
+                    conn.setblocking(False)
+                    if len(pending) >= MAX_PENDING:  # a flood: the oldest silent one goes
+                        self._stray(pending, next(iter(pending)), "was crowded out")
+                    pending[conn] = (bytearray(), now + HELLO_WAIT)
+        finally:
+            for sock in pending:
+                sock.close()
+
+    def _read_hello(self, sock: socket.socket, pending: dict, nonce: bytes, expected: set,
+                    data: dict) -> None:
+        """Read what a pending connection sent; keep it once its hello is whole and ours."""
+        buf, _ = pending[sock]
+        try:
+            chunk = sock.recv(HELLO.size - len(buf))
+        except (BlockingIOError, InterruptedError):
+            return
+        except OSError:
+            chunk = b""
+        if not chunk:
+            self._stray(pending, sock, "closed before its hello")
+            return
+        buf += chunk
+        if len(buf) < HELLO.size:
+            return
+        got, j, channel = HELLO.unpack(buf)
+        if got != nonce or (j, channel) not in expected:
+            self._stray(pending, sock, "sent no valid hello")  # a stray, or a repeat
+            return
+        del pending[sock]
+        sock.setblocking(True)
+        if sock.family == socket.AF_INET:
+            tune(sock)
+        expected.discard((j, channel))
+        (self.control if channel == CONTROL else data)[j] = sock
+
+    def _stray(self, pending: dict, sock: socket.socket, why: str) -> None:
+        """Drop a connection that is not one of our ranks', and say so at debug level."""
+        del pending[sock]
+        try:
+            peer = sock.getpeername()
+        except OSError:
+            peer = "?"
+        sock.close()
+        self.strays += 1
+        log.debug("ring set-up on rank %d: dropped a connection from %s that %s (%d so far)",
+                  self.rank, peer or "a local process", why, self.strays)
 
     def _check_alive(self, ranks: list[int]) -> None:
         """PeerFailure if one of ``ranks`` died or left since set-up began (its store will)."""
