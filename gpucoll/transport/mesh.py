@@ -10,7 +10,8 @@ they share a host with a weakly ordered CPU, a TCP connection otherwise or when 
 higher rank of a pair connects; the lower accepts, so set-up never waits in a cycle.
 
 The monitor's one thread watches the control connection to every peer: a peer that dies reads
-EOF at once (a vanished host is caught by TCP keepalive within seconds), one that fails sends an
+EOF at once (a vanished host is caught by TCP keepalive and TCP_USER_TIMEOUT within
+``GPUCOLL_LINK_TIMEOUT`` seconds, ``link_timeout``), one that fails sends an
 abort message first (the kind of failure and the rank to blame, so that every rank raises the
 same kind of error), and one that closes cleanly says how many of our bytes it had consumed; the
 first failure is recorded in the shared ``State`` and the rank's doorbell is rung, so a call
@@ -26,6 +27,7 @@ the kernel accepts now and return, so one thread can drive a send and a receive 
 
 from __future__ import annotations
 
+import errno
 import fcntl
 import json
 import logging
@@ -78,9 +80,10 @@ def host_identity() -> str:
 
 
 def check_environment() -> None:
-    """ValueError for a malformed transport variable (GPUCOLL_TRANSPORT, GPUCOLL_NATIVE,
-    GPUCOLL_SHM_RING_BYTES), before a rank waits for anyone."""
+    """ValueError for a malformed transport variable (GPUCOLL_TRANSPORT, GPUCOLL_LINK_TIMEOUT,
+    GPUCOLL_NATIVE, GPUCOLL_SHM_RING_BYTES), before a rank waits for anyone."""
     resolve_transport("auto")
+    link_timeout()
     shm.native()
     shm.ring_bytes_from_env()
 
@@ -500,14 +503,54 @@ PIECE = 1 << 20  # bytes handed to one send()/recv() call
 STAGING = 1 << 20  # receive buffer for reductions over TCP
 
 
+LINK_TIMEOUT = 15.0  # default of GPUCOLL_LINK_TIMEOUT
+KEEPIDLE = 2  # seconds of silence before the first keepalive probe, then one a second
+
+
+def link_timeout() -> float:
+    """GPUCOLL_LINK_TIMEOUT: seconds a TCP connection between ranks may go unanswered (no reply
+    to a keepalive probe, data unacknowledged) before its peer is taken for lost (default 15).
+    ValueError unless it is a number of seconds from 3 to 86400."""
+    raw = os.environ.get("GPUCOLL_LINK_TIMEOUT", "").strip()
+    if not raw:
+        return LINK_TIMEOUT
+    try:
+        value = float(raw)
+    except ValueError:
+        value = 0.0
+    if not 3 <= value <= 86400:  # also refuses NaN
+        raise ValueError(f"GPUCOLL_LINK_TIMEOUT={raw!r}: expected the seconds a connection "
+                         f"between hosts may go unanswered before its peer is taken for lost, "
+                         f"a number from 3 to 86400")
+    return value
+
+
+def broken(exc: BaseException) -> str:
+    """Why a connection broke, in words: a timeout says whose silence it was."""
+    if isinstance(exc, OSError) and exc.errno == errno.ETIMEDOUT:
+        return (f"no answer from its host for {link_timeout():g} s, GPUCOLL_LINK_TIMEOUT: the "
+                f"host is down or unreachable")
+    return str(exc)
+
+
 def tune(sock: socket.socket) -> None:
-    """Low latency and large buffers on a data or control connection; probes for dead hosts."""
+    """Low latency and large buffers on a data or control connection; a peer whose host stops
+    answering is taken for lost after ``link_timeout()`` seconds, whether the connection is idle
+    (keepalive probes go unanswered) or busy (data stays unacknowledged). Lost packets alone do
+    not end it: TCP retransmits them, and one answer in that time is enough."""
     sock.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
     for opt in (socket.SO_SNDBUF, socket.SO_RCVBUF):
         sock.setsockopt(socket.SOL_SOCKET, opt, SOCKET_BUFFER)
-    # a host that vanishes without a FIN is noticed after ~4 s of silence
+    timeout = link_timeout()
     sock.setsockopt(socket.SOL_SOCKET, socket.SO_KEEPALIVE, 1)
-    for name, value in (("TCP_KEEPIDLE", 2), ("TCP_KEEPINTVL", 1), ("TCP_KEEPCNT", 2)):
+    # with TCP_USER_TIMEOUT set, Linux ends a probed connection once nothing has been received
+    # for that long, whatever the probe count; the count is for systems without it. A probe
+    # goes out every second, so the end comes within a second of the timeout: aim a second short
+    user_ms = int((timeout - 1) * 1000)
+    options = (("TCP_KEEPIDLE", KEEPIDLE), ("TCP_KEEPINTVL", 1),
+               ("TCP_KEEPCNT", min(max(int(timeout) - 1 - KEEPIDLE, 1), 127)),
+               ("TCP_USER_TIMEOUT", user_ms))
+    for name, value in options:
         if hasattr(socket, name):
             sock.setsockopt(socket.IPPROTO_TCP, getattr(socket, name), value)
 
@@ -590,6 +633,9 @@ class TcpLink:
         self._received = 0
 
     def _dead(self, exc: BaseException | None = None) -> PeerFailure:
+        if isinstance(exc, OSError) and exc.errno == errno.ETIMEDOUT:
+            return PeerFailure(f"rank {self.peer}'s connection broke ({broken(exc)})",
+                               peer=self.peer)
         why = f" ({exc})" if exc else ""
         return PeerFailure(f"rank {self.peer} closed its connection{why}", peer=self.peer)
 
@@ -785,7 +831,7 @@ class Monitor:
         except (BlockingIOError, InterruptedError):
             return True
         except OSError as exc:
-            self._fail(peer, f"rank {peer}'s connection broke ({exc})")
+            self._fail(peer, f"rank {peer}'s connection broke ({broken(exc)})")
             self.state.ended.add(peer)
             return False
         if not chunk:
