@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import itertools
 import os
 import pickle
 import socket
@@ -9,6 +10,7 @@ import struct
 import subprocess
 import sys
 import threading
+import time
 
 import pytest
 from store_wire import closed_by_server, hello, raw_connect, read_frame
@@ -258,6 +260,44 @@ def test_connection_that_never_says_hello_is_dropped():
         sock.close()
     finally:
         server.close()
+
+
+def test_a_scanners_connections_do_not_disturb_clients_at_work(store_server):
+    """Silent connections held open, garbage and connect-and-close, hammered while two clients
+    wait on each other's keys: their calls neither fail nor wait on the scanner."""
+    stop = threading.Event()
+    silent = []
+
+    def scan():
+        for i in itertools.count():
+            if stop.is_set():
+                return
+            sock = raw_connect(store_server.port)
+            if i % 3 == 0 and len(silent) < 50:
+                silent.append(sock)
+                continue
+            if i % 3 == 1:
+                sock.sendall(b"\x16\x03\x01\x02\x00" + os.urandom(300))  # a TLS probe
+            sock.close()
+
+    scanner = threading.Thread(target=scan, daemon=True)
+    scanner.start()
+    try:
+        with TCPStore("127.0.0.1", store_server.port, timeout=10) as a, \
+                TCPStore("127.0.0.1", store_server.port, timeout=10) as b:
+            start = time.monotonic()
+            for i in range(200):
+                a.set(f"ping/{i}", str(i).encode())
+                assert b.get(f"ping/{i}") == str(i).encode()
+                assert b.add("count", 1) == i + 1
+            assert time.monotonic() - start < 8
+    finally:
+        stop.set()
+        scanner.join(10)
+        for sock in silent:
+            sock.close()
+    assert len(silent) == 50  # the scanner did hold connections open meanwhile
+    assert still_serves(store_server.port)
 
 
 # ----------------------------------------------------------------------------- open to the network

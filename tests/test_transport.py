@@ -3,6 +3,7 @@ that drives them, and the monitor that notices dead or aborting peers."""
 
 from __future__ import annotations
 
+import errno
 import os
 import socket
 
@@ -184,6 +185,30 @@ def _wait_for(pred, bell, seconds=10.0):
     while not pred():
         assert _now() < deadline, "the monitor did not react"
         select.select([bell], [], [], 0.05)
+
+
+@pytest.mark.parametrize("env, user_ms", [(None, 14_000), ("5", 4_000), ("60", 59_000)])
+def test_tcp_connections_give_a_silent_host_the_link_timeout_before_giving_up(monkeypatch, env,
+                                                                             user_ms):
+    # unacknowledged data and unanswered keepalive probes both end the connection a second
+    # before GPUCOLL_LINK_TIMEOUT (default 15 s) has passed, so the peer is named within it;
+    # a few lost packets alone never end it (tests/test_faults_network.py drops real ones)
+    if env is not None:
+        monkeypatch.setenv("GPUCOLL_LINK_TIMEOUT", env)
+    with socket.socket() as sock:
+        mesh.tune(sock)
+        get = lambda name: sock.getsockopt(socket.IPPROTO_TCP, getattr(socket, name))  # noqa: E731
+        assert sock.getsockopt(socket.SOL_SOCKET, socket.SO_KEEPALIVE) == 1
+        assert get("TCP_USER_TIMEOUT") == user_ms
+        assert (get("TCP_KEEPIDLE"), get("TCP_KEEPINTVL")) == (mesh.KEEPIDLE, 1)
+        assert get("TCP_KEEPIDLE") + get("TCP_KEEPCNT") * get("TCP_KEEPINTVL") == user_ms // 1000
+
+
+def test_a_connection_ended_by_the_link_timeout_says_the_host_did_not_answer(monkeypatch):
+    monkeypatch.setenv("GPUCOLL_LINK_TIMEOUT", "8")
+    message = mesh.broken(TimeoutError(errno.ETIMEDOUT, "Connection timed out"))
+    assert "no answer from its host for 8 s, GPUCOLL_LINK_TIMEOUT" in message
+    assert mesh.broken(ConnectionResetError(errno.ECONNRESET, "reset")) == "[Errno 104] reset"
 
 
 def test_monitor_reports_a_vanished_peer(control):

@@ -10,7 +10,8 @@ they share a host with a weakly ordered CPU, a TCP connection otherwise or when 
 higher rank of a pair connects; the lower accepts, so set-up never waits in a cycle.
 
 The monitor's one thread watches the control connection to every peer: a peer that dies reads
-EOF at once (a vanished host is caught by TCP keepalive within seconds), one that fails sends an
+EOF at once (a vanished host is caught by TCP keepalive and TCP_USER_TIMEOUT within
+``GPUCOLL_LINK_TIMEOUT`` seconds, ``link_timeout``), one that fails sends an
 abort message first (the kind of failure and the rank to blame, so that every rank raises the
 same kind of error), and one that closes cleanly says how many of our bytes it had consumed; the
 first failure is recorded in the shared ``State`` and the rank's doorbell is rung, so a call
@@ -26,8 +27,10 @@ the kernel accepts now and return, so one thread can drive a send and a receive 
 
 from __future__ import annotations
 
+import errno
 import fcntl
 import json
+import logging
 import os
 import select
 import socket
@@ -55,6 +58,10 @@ from gpucoll.transport.engine import State
 
 TRANSPORTS = ("auto", "shm", "tcp")
 CONTROL, DATA = b"c", b"d"
+HELLO_WAIT = 5.0  # seconds a connection to a rank's listener has to present its hello
+BACKLOG = 128  # room in a listener's queue beyond our ranks' connections, for strays
+MAX_PENDING = 256  # connections waiting for their hello at once; beyond, the oldest is dropped
+log = logging.getLogger("gpucoll.transport")
 
 
 def host_identity() -> str:
@@ -73,9 +80,10 @@ def host_identity() -> str:
 
 
 def check_environment() -> None:
-    """ValueError for a malformed transport variable (GPUCOLL_TRANSPORT, GPUCOLL_NATIVE,
-    GPUCOLL_SHM_RING_BYTES), before a rank waits for anyone."""
+    """ValueError for a malformed transport variable (GPUCOLL_TRANSPORT, GPUCOLL_LINK_TIMEOUT,
+    GPUCOLL_NATIVE, GPUCOLL_SHM_RING_BYTES), before a rank waits for anyone."""
     resolve_transport("auto")
+    link_timeout()
     shm.native()
     shm.ring_bytes_from_env()
 
@@ -148,6 +156,7 @@ class Mesh:
         self._liveness = liveness
         self._listeners: list[socket.socket] = []
         self._unwrapped: dict[int, socket.socket] = {}
+        self.strays = 0  # connections to our listeners dropped for want of a valid hello
         drop_when_forked(self)
         try:
             self._build(store, timeout)
@@ -165,10 +174,10 @@ class Mesh:
         rank, size = self.rank, self.size
         nonce = uuid.uuid4().bytes
         prefix = os.environ.get("GPUCOLL_SHM_PREFIX", "gpucoll")
-        tcp_listener = listen_tcp(2 * size + 16)
+        tcp_listener = listen_tcp(2 * size + BACKLOG)
         self._listeners.append(tcp_listener)
         unix_name = f"{prefix[:40]}-{nonce.hex()}-{rank}"  # abstract names hold 107 bytes
-        self._listeners.append(_listen_unix(unix_name, 2 * size + 16))
+        self._listeners.append(_listen_unix(unix_name, 2 * size + BACKLOG))
         if self._liveness is None:  # a rank that dies during set-up is named at once
             self._liveness = Liveness.of(store, rank, size)
         me = {"host": advertised_host(store), "port": tcp_listener.getsockname()[1],
@@ -232,11 +241,30 @@ class Mesh:
             send_all(sock, HELLO.pack(hello, self.rank, channel), deadline, what)
 
     def _connect_unix(self, j: int, peer: dict, deadline: float) -> socket.socket:
+        """Connect to rank ``j``'s abstract Unix socket; a full backlog (other connections not
+        yet accepted) is retried until ``deadline``."""
+        delay = 0.01
+        while True:
+            try:
+                return self._try_unix(j, peer, deadline)
+            except BlockingIOError:
+                if time.monotonic() + delay >= deadline:
+                    raise CollectiveTimeout(
+                        f"ring set-up on rank {self.rank}: rank {j}'s Unix socket accepted no "
+                        f"connection in time") from None
+                self._check_alive([j])
+                time.sleep(delay)
+                delay = min(delay * 2, 0.2)
+
+    def _try_unix(self, j: int, peer: dict, deadline: float) -> socket.socket:
         sock = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
         try:
             sock.settimeout(max(deadline - time.monotonic(), 0.001))
             sock.connect("\0" + peer["unix"])
             sock.settimeout(None)
+        except BlockingIOError:
+            sock.close()
+            raise
         except OSError as exc:
             sock.close()
             raise PeerFailure(
@@ -250,35 +278,88 @@ class Mesh:
         return sock
 
     def _accept(self, kinds: list, nonce: bytes, data: dict, deadline: float) -> None:
+        """Accept the connections of the higher ranks. Each must present its hello (our nonce,
+        its rank, the channel) within ``HELLO_WAIT`` seconds; one that closes, sends something
+        else or stays silent (a port scanner, a health check) is dropped and counted in
+        ``strays`` while set-up goes on."""
         expected = set()
         for j in range(self.rank + 1, self.size):
             expected.add((j, CONTROL))
             if kinds[j] != "shm":
                 expected.add((j, DATA))
-        while expected:
-            remaining = deadline - time.monotonic()
-            if remaining <= 0:
-                missing = sorted({j for j, _ in expected})
-                raise CollectiveTimeout(
-                    f"ring set-up on rank {self.rank}: ranks {missing} did not connect in time")
-            ready, _, _ = select.select(self._listeners, [], [], min(remaining, POLL))
-            if not ready:
-                self._check_alive(sorted({j for j, _ in expected}))
-            for listener in ready:
-                sock, _ = listener.accept()
-                try:
-                    if sock.family == socket.AF_INET:
-                        tune(sock)
-                    got, j, channel = HELLO.unpack(
-                        recv_exact(sock, HELLO.size, deadline, "a connecting rank"))
-                except BaseException:
-                    sock.close()
-                    raise
-                if got != nonce or (j, channel) not in expected:
-                    sock.close()  # a stray or repeated connection, not one of ours
-                    continue
-                expected.discard((j, channel))
-                (self.control if channel == CONTROL else data)[j] = sock
+        pending: dict[socket.socket, tuple[bytearray, float]] = {}  # sock -> (hello, until)
+        for listener in self._listeners:
+            listener.setblocking(False)
+        try:
+            while expected:
+                now = time.monotonic()
+                remaining = deadline - now
+                if remaining <= 0:
+                    missing = sorted({j for j, _ in expected})
+                    raise CollectiveTimeout(
+                        f"ring set-up on rank {self.rank}: ranks {missing} did not connect in "
+                        f"time")
+                for sock, (_, until) in list(pending.items()):
+                    if now >= until:
+                        self._stray(pending, sock, f"sent no hello in {HELLO_WAIT:g} s")
+                wait = min([remaining, POLL, *(until - now for _, until in pending.values())])
+                ready, _, _ = select.select([*self._listeners, *pending], [], [], max(wait, 0))
+                if not ready:
+                    self._check_alive(sorted({j for j, _ in expected}))
+                for sock in ready:
+                    if sock in pending:
+                        self._read_hello(sock, pending, nonce, expected, data)
+                        continue
+                    try:
+                        conn, _ = sock.accept()
+                    except OSError:  # gone again before we took it (or nothing there)
+                        continue
+                    conn.setblocking(False)
+                    if len(pending) >= MAX_PENDING:  # a flood: the oldest silent one goes
+                        self._stray(pending, next(iter(pending)), "was crowded out")
+                    pending[conn] = (bytearray(), now + HELLO_WAIT)
+        finally:
+            for sock in pending:
+                sock.close()
+
+    def _read_hello(self, sock: socket.socket, pending: dict, nonce: bytes, expected: set,
+                    data: dict) -> None:
+        """Read what a pending connection sent; keep it once its hello is whole and ours."""
+        buf, _ = pending[sock]
+        try:
+            chunk = sock.recv(HELLO.size - len(buf))
+        except (BlockingIOError, InterruptedError):
+            return
+        except OSError:
+            chunk = b""
+        if not chunk:
+            self._stray(pending, sock, "closed before its hello")
+            return
+        buf += chunk
+        if len(buf) < HELLO.size:
+            return
+        got, j, channel = HELLO.unpack(buf)
+        if got != nonce or (j, channel) not in expected:
+            self._stray(pending, sock, "sent no valid hello")  # a stray, or a repeat
+            return
+        del pending[sock]
+        sock.setblocking(True)
+        if sock.family == socket.AF_INET:
+            tune(sock)
+        expected.discard((j, channel))
+        (self.control if channel == CONTROL else data)[j] = sock
+
+    def _stray(self, pending: dict, sock: socket.socket, why: str) -> None:
+        """Drop a connection that is not one of our ranks', and say so at debug level."""
+        del pending[sock]
+        try:
+            peer = sock.getpeername()
+        except OSError:
+            peer = "?"
+        sock.close()
+        self.strays += 1
+        log.debug("ring set-up on rank %d: dropped a connection from %s that %s (%d so far)",
+                  self.rank, peer or "a local process", why, self.strays)
 
     def _check_alive(self, ranks: list[int]) -> None:
         """PeerFailure if one of ``ranks`` died or left since set-up began (its store will)."""
@@ -409,14 +490,54 @@ PIECE = 1 << 20  # bytes handed to one send()/recv() call
 STAGING = 1 << 20  # receive buffer for reductions over TCP
 
 
+LINK_TIMEOUT = 15.0  # default of GPUCOLL_LINK_TIMEOUT
+KEEPIDLE = 2  # seconds of silence before the first keepalive probe, then one a second
+
+
+def link_timeout() -> float:
+    """GPUCOLL_LINK_TIMEOUT: seconds a TCP connection between ranks may go unanswered (no reply
+    to a keepalive probe, data unacknowledged) before its peer is taken for lost (default 15).
+    ValueError unless it is a number of seconds from 3 to 86400."""
+    raw = os.environ.get("GPUCOLL_LINK_TIMEOUT", "").strip()
+    if not raw:
+        return LINK_TIMEOUT
+    try:
+        value = float(raw)
+    except ValueError:
+        value = 0.0
+    if not 3 <= value <= 86400:  # also refuses NaN
+        raise ValueError(f"GPUCOLL_LINK_TIMEOUT={raw!r}: expected the seconds a connection "
+                         f"between hosts may go unanswered before its peer is taken for lost, "
+                         f"a number from 3 to 86400")
+    return value
+
+
+def broken(exc: BaseException) -> str:
+    """Why a connection broke, in words: a timeout says whose silence it was."""
+    if isinstance(exc, OSError) and exc.errno == errno.ETIMEDOUT:
+        return (f"no answer from its host for {link_timeout():g} s, GPUCOLL_LINK_TIMEOUT: the "
+                f"host is down or unreachable")
+    return str(exc)
+
+
 def tune(sock: socket.socket) -> None:
-    """Low latency and large buffers on a data or control connection; probes for dead hosts."""
+    """Low latency and large buffers on a data or control connection; a peer whose host stops
+    answering is taken for lost after ``link_timeout()`` seconds, whether the connection is idle
+    (keepalive probes go unanswered) or busy (data stays unacknowledged). Lost packets alone do
+    not end it: TCP retransmits them, and one answer in that time is enough."""
     sock.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
     for opt in (socket.SO_SNDBUF, socket.SO_RCVBUF):
         sock.setsockopt(socket.SOL_SOCKET, opt, SOCKET_BUFFER)
-    # a host that vanishes without a FIN is noticed after ~4 s of silence
+    timeout = link_timeout()
     sock.setsockopt(socket.SOL_SOCKET, socket.SO_KEEPALIVE, 1)
-    for name, value in (("TCP_KEEPIDLE", 2), ("TCP_KEEPINTVL", 1), ("TCP_KEEPCNT", 2)):
+    # with TCP_USER_TIMEOUT set, Linux ends a probed connection once nothing has been received
+    # for that long, whatever the probe count; the count is for systems without it. A probe
+    # goes out every second, so the end comes within a second of the timeout: aim a second short
+    user_ms = int((timeout - 1) * 1000)
+    options = (("TCP_KEEPIDLE", KEEPIDLE), ("TCP_KEEPINTVL", 1),
+               ("TCP_KEEPCNT", min(max(int(timeout) - 1 - KEEPIDLE, 1), 127)),
+               ("TCP_USER_TIMEOUT", user_ms))
+    for name, value in options:
         if hasattr(socket, name):
             sock.setsockopt(socket.IPPROTO_TCP, getattr(socket, name), value)
 
@@ -499,6 +620,9 @@ class TcpLink:
         self._received = 0
 
     def _dead(self, exc: BaseException | None = None) -> PeerFailure:
+        if isinstance(exc, OSError) and exc.errno == errno.ETIMEDOUT:
+            return PeerFailure(f"rank {self.peer}'s connection broke ({broken(exc)})",
+                               peer=self.peer)
         why = f" ({exc})" if exc else ""
         return PeerFailure(f"rank {self.peer} closed its connection{why}", peer=self.peer)
 
@@ -694,7 +818,7 @@ class Monitor:
         except (BlockingIOError, InterruptedError):
             return True
         except OSError as exc:
-            self._fail(peer, f"rank {peer}'s connection broke ({exc})")
+            self._fail(peer, f"rank {peer}'s connection broke ({broken(exc)})")
             self.state.ended.add(peer)
             return False
         if not chunk:
