@@ -41,6 +41,7 @@ import struct
 import sys
 import threading
 import time
+import types
 import weakref
 import zlib
 from collections.abc import Callable, Sequence
@@ -92,7 +93,10 @@ os.register_at_fork(after_in_child=_forked)
 def _abort_on_uncaught(previous: Callable) -> Callable:
     """An ``sys.excepthook`` that first aborts every open communicator of the process, so that
     its peers fail at once with the exception's text (MPI_Abort's promptness, and the reason),
-    then hands over to ``previous``. Not in an interactive session, which lives on after one."""
+    then hands over to ``previous``. Not in an interactive session, which lives on after one.
+    A gpucoll error's frames inside gpucoll are left out of the traceback (one line says how
+    many; GPUCOLL_VERBOSE=1 keeps them): the user's own frames and the message are what tell
+    a user where and why, and every surviving rank of a job prints one."""
 
     def hook(kind: type[BaseException], value: BaseException, tb: Any) -> None:
         if not (hasattr(sys, "ps1") or sys.flags.interactive):
@@ -101,10 +105,40 @@ def _abort_on_uncaught(previous: Callable) -> Callable:
                     comm.abort(f"uncaught {kind.__name__}: {value}")
                 except Exception:  # noqa: BLE001 - the traceback below must still be printed
                     pass
+        hidden = 0
+        if isinstance(value, GpucollError) and not verbose_tracebacks():
+            tb, hidden = _without_gpucoll_frames(tb)
+            value.__traceback__ = tb  # what the printer reads, whatever its tb argument
         previous(kind, value, tb)
+        if hidden:
+            print(f"({hidden} frame{'s' if hidden > 1 else ''} inside gpucoll left out; "
+                  f"GPUCOLL_VERBOSE=1 or `gpucoll run --verbose` shows them)", file=sys.stderr)
 
     hook.gpucoll = True
     return hook
+
+
+_PACKAGE_DIR = os.path.dirname(os.path.abspath(__file__)) + os.sep  # gpucoll/ itself
+
+
+def verbose_tracebacks() -> bool:
+    """GPUCOLL_VERBOSE=1 (any value but empty or 0): tracebacks keep gpucoll's own frames."""
+    return os.environ.get("GPUCOLL_VERBOSE", "") not in ("", "0")
+
+
+def _without_gpucoll_frames(tb: Any) -> tuple[Any, int]:
+    """``tb`` without its frames in gpucoll's own files, and how many were left out."""
+    kept, hidden = [], 0
+    while tb is not None:
+        if tb.tb_frame.f_code.co_filename.startswith(_PACKAGE_DIR):
+            hidden += 1
+        else:
+            kept.append(tb)
+        tb = tb.tb_next
+    chain = None
+    for entry in reversed(kept):
+        chain = types.TracebackType(chain, entry.tb_frame, entry.tb_lasti, entry.tb_lineno)
+    return chain, hidden
 
 
 def _gives_up(exc: object) -> bool:

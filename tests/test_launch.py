@@ -200,6 +200,32 @@ def test_first_failure_is_reported_and_the_others_are_stopped(launch, tmp_path):
     assert pids(job) and not any(alive(pid) for pid in pids(job))
 
 
+DIES_IN_A_CALL = """
+    import os, numpy as np, gpucoll
+    with gpucoll.init() as comm:
+        comm.all_reduce(np.ones(4))
+        if comm.rank == 1:
+            os._exit(3)
+        comm.all_reduce(np.ones(4))
+"""
+
+
+@pytest.mark.parametrize("verbose", [False, True], ids=["default", "verbose"])
+def test_a_survivors_traceback_shows_its_own_frames_and_one_line_for_gpucolls(
+        launch, tmp_path, verbose):
+    script = write_script(tmp_path, DIES_IN_A_CALL)
+    job = launch(["-n", "2", *(["--verbose"] if verbose else []), script])
+    assert job.finish() == 3, job.text()
+    mine = [line for line in job.err().splitlines() if line.startswith("[rank 0]")]
+    text = "\n".join(mine)
+    assert 'job.py", line' in text and "PeerFailure: " in text and "rank 1" in text, text
+    if verbose:
+        assert "gpucoll/transport/engine.py" in text and "left out" not in text
+    else:
+        assert "gpucoll/" not in text.replace("gpucoll.errors", "") and len(mine) <= 6, text
+        assert "frames inside gpucoll left out; GPUCOLL_VERBOSE=1" in text
+
+
 def test_a_rank_stopped_when_another_fails_is_named_as_the_likely_cause(launch, tmp_path):
     # rank 1 stops itself; once it is stopped, rank 0 fails as a rank waiting for it would
     script = write_script(tmp_path, f"""

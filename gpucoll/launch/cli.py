@@ -75,6 +75,9 @@ def parser() -> argparse.ArgumentParser:
     p.add_argument("--timeout", type=float, metavar="S",
                    help="stop the job after S seconds (after asking gpucoll doctor why it "
                    "has not finished)")
+    p.add_argument("--verbose", action="store_true",
+                   help="ranks' tracebacks of gpucoll errors show gpucoll's own frames too "
+                        "(GPUCOLL_VERBOSE=1); by default one line says how many were left out")
     p.add_argument("--keep-going", action="store_true",
                    help="when a rank dies, let the others go on (they may shrink their "
                    "communicator) instead of stopping them")
@@ -138,7 +141,7 @@ def config_from(ns: argparse.Namespace, gpus: list[str] | None = None) -> Launch
         nnodes=ns.nnodes, node_rank=ns.node_rank, master_addr=ns.master_addr,
         master_port=ns.master_port, tee=ns.tee, timeout=ns.timeout, grace=ns.grace,
         device=ns.device, isolate_gpus=ns.isolate_gpus, token=token, bind=ns.bind,
-        topology=ns.topology, keep_going=ns.keep_going)
+        topology=ns.topology, keep_going=ns.keep_going, verbose=ns.verbose)
 
 
 def main(argv: list[str] | None = None) -> int:

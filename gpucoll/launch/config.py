@@ -49,6 +49,7 @@ class LaunchConfig:
     bind: bool = False  # pin ranks to their GPU's NUMA node, export its nearest NICs
     topology: str | None = None  # a saved `nvidia-smi topo -m` for --bind instead of a probe
     keep_going: bool = False  # a rank that dies leaves the others running
+    verbose: bool = False  # ranks' tracebacks of gpucoll errors keep gpucoll's own frames
 
     @property
     def world_size(self) -> int:
@@ -219,6 +220,8 @@ def rank_env(cfg: LaunchConfig, local_rank: int, store: tuple[str, int], token: 
     }
     env.update(device_env(local_rank, gpus, cfg.isolate_gpus))
     env.update(thread_env(cfg))
+    if cfg.verbose:
+        env["GPUCOLL_VERBOSE"] = "1"
     return env
 
 
