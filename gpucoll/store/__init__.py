@@ -15,6 +15,7 @@ from gpucoll.store.client import (
     agree_survivors,
     fetch,
     gather,
+    gone_failure,
     leave_group,
     parse_address,
     share,
@@ -23,5 +24,5 @@ from gpucoll.store.client import (
 from gpucoll.store.server import StoreLimits
 
 __all__ = ["POLL", "Liveness", "PrefixStore", "StoreLimits", "TCPStore", "aborted_reason",
-           "agree_survivors", "fetch", "gather", "leave_group", "parse_address", "share",
-           "wait_for_ranks"]
+           "agree_survivors", "fetch", "gather", "gone_failure", "leave_group", "parse_address",
+           "share", "wait_for_ranks"]
