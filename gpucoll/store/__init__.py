@@ -7,6 +7,7 @@ client, its limits, and ``gpucoll store``), ``protocol`` (the wire format).
 """
 
 from gpucoll.store.client import (
+    CLOSED_AFTER,
     POLL,
     Liveness,
     PrefixStore,
@@ -18,11 +19,12 @@ from gpucoll.store.client import (
     gone_failure,
     leave_group,
     parse_address,
+    relayed_failure,
     share,
     wait_for_ranks,
 )
 from gpucoll.store.server import StoreLimits
 
-__all__ = ["POLL", "Liveness", "PrefixStore", "StoreLimits", "TCPStore", "aborted_reason",
-           "agree_survivors", "fetch", "gather", "gone_failure", "leave_group", "parse_address",
-           "share", "wait_for_ranks"]
+__all__ = ["CLOSED_AFTER", "POLL", "Liveness", "PrefixStore", "StoreLimits", "TCPStore",
+           "aborted_reason", "agree_survivors", "fetch", "gather", "gone_failure", "leave_group",
+           "parse_address", "relayed_failure", "share", "wait_for_ranks"]

@@ -956,6 +956,8 @@ def _mark_gone(store: Any, rank: int, deadline: float, how: bytes = b"closed") -
 _ABORTED = "aborted: "  # the start of the ``gone/`` value of a rank that aborted, then why
 
 
+# the start of the reason of a rank that closed (not aborted) after a peer's failure
+CLOSED_AFTER = "closed after "
 _RELAYED = re.compile(r"because of rank (\d+): ")  # an abort for another rank's failure
 
 
