@@ -72,7 +72,14 @@ from gpucoll.errors import (
 from gpucoll.messages import MessageCalls
 from gpucoll.objects import ObjectCalls
 from gpucoll.progress import KIND, NO_CALL, Recorder, clock, ranks_text, size_from_env, stream_id
-from gpucoll.store import Liveness, agree_survivors, leave_group, share, wait_for_ranks
+from gpucoll.store import (
+    CLOSED_AFTER,
+    Liveness,
+    agree_survivors,
+    leave_group,
+    share,
+    wait_for_ranks,
+)
 from gpucoll.uneven import UnevenCalls
 from gpucoll.validation import VALID_OPS, Call, SignatureCheck, check_timeout
 from gpucoll.validation import entry as _entry
@@ -102,7 +109,11 @@ def _abort_on_uncaught(previous: Callable) -> Callable:
         if not (hasattr(sys, "ps1") or sys.flags.interactive):
             for comm in list(_LIVE):
                 try:
-                    comm.abort(f"uncaught {kind.__name__}: {value}")
+                    culprit = _blamed(value, getattr(comm, "rank", None))
+                    if culprit is None:
+                        comm.abort(f"uncaught {kind.__name__}: {value}")
+                    else:  # a peer's failure, passed on to the peers
+                        comm._abort(f"uncaught {kind.__name__}: {value}", culprit)
                 except Exception:  # noqa: BLE001 - the traceback below must still be printed
                     pass
         hidden = 0
@@ -147,6 +158,15 @@ def _gives_up(exc: object) -> bool:
     if isinstance(exc, SystemExit):
         return exc.code not in (None, 0)
     return not isinstance(exc, (GpucollError, GeneratorExit))
+
+
+def _blamed(exc: object, rank: int) -> int | None:
+    """The rank to blame for ``exc`` as seen from ``rank``: the peer a PeerFailure names,
+    unless it is ``rank`` itself; None for any other error."""
+    peer = getattr(exc, "peer", None)
+    if isinstance(exc, PeerFailure) and isinstance(peer, int) and peer != rank:
+        return peer
+    return None
 
 
 def _install_abort_hook() -> None:
@@ -334,6 +354,7 @@ class Communicator(OutOfPlaceCalls, UnevenCalls, ObjectCalls, MessageCalls, Poin
         self._keep = self._recorder.keep
         self._flight = Flight(self._recorder, store, self.rank, self.size, backend)
         self._aborted: str | None = None  # why abort() ended it
+        self._parent_ranks: list[int] | None = None  # split: each rank's rank in the parent
         _LIVE.add(self)
         _install_abort_hook()
 
@@ -652,6 +673,7 @@ class Communicator(OutOfPlaceCalls, UnevenCalls, ObjectCalls, MessageCalls, Poin
                            debug=self._check is not None)
         sub._backend_reason = f"split from a {self.backend} communicator: {self.backend_reason}"
         sub._flight.family = self._flight.family
+        sub._parent_ranks = [r for _, r in members]
         self._children = [child for child in self._children if not child.closed] + [sub]
         return sub
 
@@ -752,6 +774,10 @@ class Communicator(OutOfPlaceCalls, UnevenCalls, ObjectCalls, MessageCalls, Poin
         if self._forked:
             return
         try:
+            culprit = self._cause()
+            if culprit is not None:  # the peers of split groups learn whose failure ends them
+                self._abort_children(f"{type(self._flight.error).__name__}: "
+                                     f"{self._flight.error}", culprit)
             for child in self._children:
                 try:
                     child.close()
@@ -778,16 +804,41 @@ class Communicator(OutOfPlaceCalls, UnevenCalls, ObjectCalls, MessageCalls, Poin
         idempotent; communicators split from this one are aborted too. A ``with`` block that
         ends in an exception aborts with its text, and so does an exception nobody catches
         (for every open communicator of the process)."""
+        self._abort(str(reason), None)
+
+    def _abort(self, reason: str, culprit: int | None) -> None:
+        """``abort(reason)``, blaming rank ``culprit`` (or the peer whose failure this
+        communicator already raised): a rank that gives up because of another's failure
+        passes that rank on, so that every peer names the first failure, not this rank."""
         if self._closed or self._forked or self._aborted is not None:
             return
-        self._aborted = str(reason)
-        for child in self._children:
-            child.abort(reason)
+        self._aborted = reason
+        culprit = culprit if culprit is not None else self._cause()
+        self._abort_children(reason, culprit)
         try:
-            self._backend.abort(self._aborted)
+            self._backend.abort(self._aborted if culprit is None else PeerFailure(
+                f"rank {self.rank} aborted because of rank {culprit}: {reason}", peer=culprit))
         finally:
             if self._liveness is not None:  # peers waiting in the store learn it there
-                self._liveness.leave(aborted=self._aborted)
+                self._liveness.leave(aborted=self._aborted, culprit=culprit)
+
+    def _abort_children(self, reason: str, culprit: int | None) -> None:
+        """Abort the communicators split from this one, blaming ``culprit`` (a rank here) in
+        their numbering, or, where it is no member, saying who it was here."""
+        for child in self._children:
+            ranks = child._parent_ranks
+            if culprit is None or ranks is None:
+                child._abort(reason, None)
+            elif culprit in ranks:
+                child._abort(reason, ranks.index(culprit))
+            else:
+                child._abort(f"{reason} (because of rank {culprit} of the communicator it was "
+                             f"split from)", None)
+
+    def _cause(self) -> int | None:
+        """The peer whose failure ended this communicator here (the first error it raised
+        names it), or None."""
+        return _blamed(self._flight.error, self.rank)
 
     def _leave(self) -> None:
         """Leave the group's place in the store (never raises; the last rank out deletes its
@@ -795,7 +846,11 @@ class Communicator(OutOfPlaceCalls, UnevenCalls, ObjectCalls, MessageCalls, Poin
         if any(not sub.closed for sub in self._shrunk):
             self._leave_pending = True
         elif self._store is not None:
-            leave_group(self._store, self.rank, self.size, self._aborted)
+            culprit = self._cause()
+            why = self._aborted
+            if why is None and culprit is not None:  # closed after a peer's failure: say whose
+                why = f"{CLOSED_AFTER}{type(self._flight.error).__name__}: {self._flight.error}"
+            leave_group(self._store, self.rank, self.size, why, culprit)
         for parent in self._parents:
             if parent._leave_pending and not any(not s.closed for s in parent._shrunk):
                 parent._leave_pending = False
@@ -809,8 +864,9 @@ class Communicator(OutOfPlaceCalls, UnevenCalls, ObjectCalls, MessageCalls, Poin
             self.close()
             return
         try:  # an error is already on its way out: closing must not replace it
-            if _gives_up(exc[0]):  # the peers learn why this rank stops
-                self.abort(f"{kind.__name__}: {exc[0]}")
+            culprit = _blamed(exc[0], self.rank)
+            if _gives_up(exc[0]) or culprit is not None:  # the peers learn why this rank stops
+                self._abort(f"{kind.__name__}: {exc[0]}", culprit)
             self.close()
         except GpucollError:
             pass

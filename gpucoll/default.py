@@ -9,7 +9,7 @@ from typing import Any
 from gpucoll import rendezvous
 from gpucoll.backends import create_backend, requested_name
 from gpucoll.communicator import Communicator
-from gpucoll.errors import CollectiveTimeout
+from gpucoll.errors import CollectiveTimeout, PeerFailure
 from gpucoll.messages import ANY_SOURCE
 from gpucoll.progress import size_from_env
 from gpucoll.transport.mesh import check_environment
@@ -58,9 +58,13 @@ def create(backend: str = "auto", *, rank: int | None = None, world_size: int | 
     try:
         space = _namespace(base, rank, world_size, timeout)
         engine = create_backend(name, space, rank, world_size, timeout=timeout, device=device)
-    except BaseException:
-        if space is not None:  # the others learn that this rank left
-            leave_group(space, rank, world_size)
+    except BaseException as exc:
+        if space is not None:  # the others learn that this rank left, and for whose failure
+            culprit = getattr(exc, "peer", None) if isinstance(exc, PeerFailure) else None
+            if culprit is not None and culprit != rank:
+                leave_group(space, rank, world_size, str(exc), culprit)
+            else:
+                leave_group(space, rank, world_size)
         if owned is not None:
             owned.close()
         raise

@@ -53,7 +53,7 @@ from gpucoll.dumps import (
 )
 from gpucoll.errors import GpucollError
 from gpucoll.progress import IN_CALL, Position, ranks_text
-from gpucoll.store import aborted_reason
+from gpucoll.store import CLOSED_AFTER, aborted_reason, relayed_failure
 
 # -- the command ------------------------------------------------------------------------------
 WAIT_S = 3.0
@@ -251,6 +251,9 @@ class _Case:
         if gone == "closed":
             return "closed its communicator"
         if (why := aborted_reason(gone)) is not None:
+            relayed = relayed_failure(why)
+            if relayed is not None and relayed[1].startswith(CLOSED_AFTER):
+                return "closed its communicator"  # after the failure its error named
             return f"aborted its communicator: {why}"
         if fact.get("state") == "stopped":
             return "is stopped (process state T: SIGSTOP, or a debugger)"

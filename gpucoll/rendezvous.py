@@ -375,23 +375,28 @@ def join_group(store: Any, rank: int, size: int, *, job: str | None, timeout: fl
     deadline = time.monotonic() + timeout
     root = "gpucoll/jobs/" + (job.replace("/", "_") if job else "anonymous")
     ident = (_identity(store), root)
+    what = f"start-up of job {job!r}" if job else "start-up"
     with _slot_lock:
         n = _next_slot.get(ident, 0)
     skipped = []
     space = PrefixStore(f"{root}/{n}", store)
-    while not _fit(space, rank, size):
-        skipped.append(n)
-        n += 1
-        space = PrefixStore(f"{root}/{n}", store)
+    try:
+        while not _fit(space, rank, size, what):
+            skipped.append(n)
+            n += 1
+            space = PrefixStore(f"{root}/{n}", store)
+    except PeerFailure:
+        with _slot_lock:  # a later attempt of this process starts past the failed group's slot
+            _next_slot[ident] = max(_next_slot.get(ident, 0), n + 1)
+        raise
     live = Liveness(space, rank, size)  # the will first: no claim outlives its process
     try:
         theirs = space.compare_set("size", "", str(size))
         if int(theirs) != size:
             raise _refuse_size(space, rank, size, int(theirs))
-        nonce = uuid.uuid4().hex
-        if space.compare_set(f"member/{rank}", "", nonce) != nonce.encode():
+        claim = f"{uuid.uuid4().hex}@{time.time():.3f}"  # when: see _fit
+        if space.compare_set(f"member/{rank}", "", claim) != claim.encode():
             raise _rank_taken(space, rank, size)
-        what = f"start-up of job {job!r}" if job else "start-up"
         wait_for_ranks(space, [f"member/{r}" for r in range(size)],
                        max(deadline - time.monotonic(), 0.0), rank=rank, liveness=live,
                        what=what, absent="never arrived (not started, or not yet at "
@@ -407,6 +412,8 @@ def join_group(store: Any, rank: int, size: int, *, job: str | None, timeout: fl
             f"others arrived looks the same)") from None
     except BaseException:
         live.leave()
+        with _slot_lock:  # a later attempt of this process starts past this slot
+            _next_slot[ident] = max(_next_slot.get(ident, 0), n + 1)
         raise
     with _slot_lock:
         _next_slot[ident] = max(_next_slot.get(ident, 0), n + 1)
@@ -453,10 +460,12 @@ def _start_up_stopped(store: Any, space: Any, what: str, rank: int,
     return None
 
 
-def _fit(space: Any, rank: int, size: int) -> bool:
+def _fit(space: Any, rank: int, size: int, what: str) -> bool:
     """Whether ``rank`` may join the group forming in slot ``space``: False for the leftovers
     of a group a rank died in or closed; RendezvousError where a live process holds this rank
-    or the group has another size."""
+    or the group has another size; PeerFailure naming the rank that died (or aborted) where
+    that group is this rank's own, formed while this process ran (``_this_run``): its ranks
+    came, one died before this rank arrived, and the others will not come to another slot."""
     *gone, theirs, mine = space.peek([f"gone/{r}" for r in range(size)] +
                                      ["size", f"member/{rank}"])
     if theirs is not None and int(theirs) != size:
@@ -464,10 +473,48 @@ def _fit(space: Any, rank: int, size: int) -> bool:
             return False
         raise _refuse_size(space, rank, size, int(theirs))
     if any(g is not None for g in gone):
+        if mine is None and _this_run(space, size, gone):
+            from gpucoll.store import gone_failure
+
+            raise gone_failure({r: g.decode("utf-8", "replace") for r, g in enumerate(gone)
+                                if g is not None}, what, rank, size)
         return False
     if mine is not None:
         raise _rank_taken(space, rank, size)
     return True
+
+
+def _this_run(space: Any, size: int, gone: list) -> bool:
+    """True when slot ``space``, where ranks are ``gone``, holds a group that failed while this
+    process ran: a rank died or aborted there, and a rank claimed its place after this process
+    started (a crashed earlier job's leftovers are older than every process of a new one)."""
+    if not any(g is not None and g != b"closed" for g in gone):
+        return False
+    since = _process_start()
+    for claim in space.peek([f"member/{r}" for r in range(size)]):
+        _, at, when = (claim or b"").decode("utf-8", "replace").partition("@")
+        try:
+            if at and float(when) >= since:
+                return True
+        except ValueError:
+            continue
+    return False
+
+
+def _process_start() -> float:
+    """The wall-clock time this process started (Linux's /proc; else the time of this
+    module's import, which is no earlier)."""
+    try:
+        with open("/proc/self/stat") as f:
+            ticks = int(f.read().rpartition(")")[2].split()[19])
+        with open("/proc/uptime") as f:
+            uptime = float(f.read().split()[0])
+        return time.time() - uptime + ticks / os.sysconf("SC_CLK_TCK")
+    except (OSError, ValueError, IndexError):
+        return _IMPORTED
+
+
+_IMPORTED = time.time()
 
 
 def _refuse_size(space: Any, rank: int, size: int, theirs: int) -> RendezvousError:

@@ -6,10 +6,12 @@ import dataclasses
 import re
 import socket
 import threading
+import time
 
 import pytest
 from multiproc import spawn
 
+from gpucoll.errors import PeerFailure
 from gpucoll.rendezvous import (
     DEFAULT_PORT,
     MAX_WORLD_SIZE,
@@ -378,6 +380,30 @@ def test_a_crashed_groups_slot_is_skipped_then_cleared(store_server, fresh_slots
     assert join_group(store_server, 0, 1, job=None, timeout=10).prefix == \
         "gpucoll/jobs/anonymous/1"
     assert store_server.peek([f"gpucoll/jobs/anonymous/0/{k}" for k in dead]) == [None] * 6
+
+
+def test_a_slot_claimed_before_this_process_started_is_a_crashed_jobs_and_skipped(
+        store_server, fresh_slots):
+    from gpucoll.rendezvous import join_group
+
+    old = f"a@{time.time() - 3600:.3f}".encode()  # claimed an hour ago, then died
+    store_server.multi_set(["gpucoll/jobs/anonymous/0/size", "gpucoll/jobs/anonymous/0/member/1",
+                            "gpucoll/jobs/anonymous/0/gone/1"], [b"2", old, b"died"])
+    assert join_group(store_server, 0, 1, job=None, timeout=10).prefix == \
+        "gpucoll/jobs/anonymous/1"
+
+
+def test_a_rank_of_this_run_that_died_before_this_rank_arrived_is_named_at_once(
+        store_server, fresh_slots):
+    from gpucoll.rendezvous import join_group
+
+    now = f"a@{time.time():.3f}".encode()  # claimed while this process runs, then died
+    store_server.multi_set(["gpucoll/jobs/anonymous/0/size", "gpucoll/jobs/anonymous/0/member/1",
+                            "gpucoll/jobs/anonymous/0/gone/1"], [b"2", now, b"died"])
+    start = time.monotonic()
+    with pytest.raises(PeerFailure, match="rank 1 died during start-up on rank 0 of 2") as got:
+        join_group(store_server, 0, 2, job=None, timeout=30)
+    assert got.value.peer == 1 and time.monotonic() - start < 5
 
 
 def test_a_live_process_holding_this_rank_is_an_error_naming_the_job_id(store_server,

@@ -8,6 +8,7 @@ forked child closes of what it inherited: connections, servers, a transport's so
 """
 
 from gpucoll.store.client import (
+    CLOSED_AFTER,
     POLL,
     Liveness,
     PrefixStore,
@@ -16,13 +17,15 @@ from gpucoll.store.client import (
     agree_survivors,
     fetch,
     gather,
+    gone_failure,
     leave_group,
     parse_address,
+    relayed_failure,
     share,
     wait_for_ranks,
 )
 from gpucoll.store.server import StoreLimits
 
-__all__ = ["POLL", "Liveness", "PrefixStore", "StoreLimits", "TCPStore", "aborted_reason",
-           "agree_survivors", "fetch", "gather", "leave_group", "parse_address", "share",
-           "wait_for_ranks"]
+__all__ = ["CLOSED_AFTER", "POLL", "Liveness", "PrefixStore", "StoreLimits", "TCPStore",
+           "aborted_reason", "agree_survivors", "fetch", "gather", "gone_failure", "leave_group",
+           "parse_address", "relayed_failure", "share", "wait_for_ranks"]

@@ -782,14 +782,15 @@ class Liveness:
             return None
         return cls(store, rank, size)
 
-    def leave(self, aborted: str | None = None) -> None:
+    def leave(self, aborted: str | None = None, culprit: int | None = None) -> None:
         """Clean exit: withdraw the will and set ``gone/{rank} = b"closed"`` (or, with
-        ``aborted``, ``b"aborted: <aborted>"``: peers waiting in the store learn why).
+        ``aborted``, ``b"aborted: <aborted>"``: peers waiting in the store learn why; with
+        ``culprit`` too, the rank whose failure made this one give up, whom they then name).
         Idempotent; never raises (the store may be gone already)."""
         if not self._left:
             self._left = True
             _mark_gone(self.store, self.rank, time.monotonic() + LEAVE_TIMEOUT,
-                       _gone_value(aborted))
+                       _gone_value(aborted, culprit))
 
     def check(self, what: str, ranks: Sequence[int] | None = None) -> None:
         """Raise PeerFailure naming the ranks (of ``ranks``; by default all others) found gone,
@@ -797,7 +798,7 @@ class Liveness:
         others = {r: how for r, how in self.gone().items()
                   if r != self.rank and (ranks is None or r in ranks)}
         if others:
-            raise _gone(others, what, self.rank, self.size)
+            raise gone_failure(others, what, self.rank, self.size)
 
     def gone(self) -> dict[int, str]:
         """``{rank: "died" | "closed" | "aborted: <why>"}`` for the ranks whose ``gone/`` key
@@ -941,14 +942,16 @@ def agree_survivors(store: Any, rank: int, size: int, liveness: Liveness, timeou
     return members
 
 
-def leave_group(store: Any, rank: int, size: int, aborted: str | None = None) -> None:
+def leave_group(store: Any, rank: int, size: int, aborted: str | None = None,
+                culprit: int | None = None) -> None:
     """This rank is done with a group's namespace ``store``: it withdraws its will, marks itself
-    closed (or keeps saying it aborted, with ``aborted``, the reason), and the rank that finds
+    closed (or keeps saying it aborted, with ``aborted``, the reason, and ``culprit``, the rank
+    whose failure it gave up for, as ``Liveness.leave``), and the rank that finds
     every rank gone that way deletes the whole namespace, so a group that closes leaves no keys
     behind. A group with a dead rank keeps its keys (the next start-up in the store skips and
     removes them). Never raises; takes at most ``LEAVE_TIMEOUT``."""
     deadline = time.monotonic() + LEAVE_TIMEOUT
-    if not _mark_gone(store, rank, deadline, _gone_value(aborted)):
+    if not _mark_gone(store, rank, deadline, _gone_value(aborted, culprit)):
         return
     try:
         states = store.peek([_GONE.format(r) for r in range(size)], timeout=_left(deadline))
@@ -974,11 +977,26 @@ def _mark_gone(store: Any, rank: int, deadline: float, how: bytes = b"closed") -
 _ABORTED = "aborted: "  # the start of the ``gone/`` value of a rank that aborted, then why
 
 
-def _gone_value(aborted: str | None) -> bytes:
-    """The ``gone/`` value of a rank that leaves: closed, or aborted for ``aborted``."""
+# the start of the reason of a rank that closed (not aborted) after a peer's failure
+CLOSED_AFTER = "closed after "
+_RELAYED = re.compile(r"because of rank (\d+): ")  # an abort for another rank's failure
+
+
+def _gone_value(aborted: str | None, culprit: int | None = None) -> bytes:
+    """The ``gone/`` value of a rank that leaves: closed, or aborted for ``aborted`` (because
+    of rank ``culprit``'s failure, when given)."""
     if aborted is None:
         return b"closed"
+    if culprit is not None:
+        aborted = f"because of rank {culprit}: {aborted}"
     return (_ABORTED + aborted).encode("utf-8", "replace")[:1000]
+
+
+def relayed_failure(why: str) -> tuple[int, str] | None:
+    """(the rank to blame, what happened) from an abort's reason that relays another rank's
+    failure (``Liveness.leave`` with a culprit); None for a rank's own abort."""
+    m = _RELAYED.match(why)
+    return (int(m.group(1)), why[m.end():]) if m else None
 
 
 def aborted_reason(how: str | None) -> str | None:
@@ -1000,19 +1018,28 @@ def _left(deadline: float) -> float:
     return max(deadline - time.monotonic(), 0.001)
 
 
-def _gone(others: dict[int, str], what: str, rank: int, size: int) -> PeerFailure:
-    """The PeerFailure for ranks found gone: those that aborted first (they say why), then
-    those that died, then those that closed."""
+def gone_failure(others: dict[int, str], what: str, rank: int, size: int) -> PeerFailure:
+    """The PeerFailure, for operation ``what`` on ``rank`` of ``size``, for the ranks found
+    gone (``{rank: gone value}``, as ``Liveness.gone``): those that aborted first (they say
+    why), then those that died, then those that closed."""
     why = {r: aborted_reason(how) for r, how in others.items()}
-    aborted = sorted(r for r in others if why[r] is not None)
+    relays = {r: relayed_failure(w) for r, w in why.items() if w is not None}
+    relays = {r: got for r, got in relays.items() if got is not None}
+    aborted = sorted(r for r in others if why[r] is not None and r not in relays)
     closed = sorted(r for r, how in others.items() if how == "closed")
-    died = sorted(set(others) - set(aborted) - set(closed))
+    died = sorted(set(others) - set(aborted) - set(closed) - set(relays))
     where = f"during {what} on rank {rank} of {size}"
     parts = [f"rank {r} aborted its communicator {where}: {why[r]}" for r in aborted]
     if died:
         parts.append(f"{ranks_text(died)} died {where} (the process ended or lost its connection "
                      f"to the store)")
+    # a rank that gave up because of another's failure names that one: the first cause
+    relayed = []
+    for r, (culprit, told) in sorted(relays.items()):
+        if culprit not in aborted and culprit not in died and culprit not in relayed:
+            relayed.append(culprit)
+            parts.append(f"rank {culprit} failed, as rank {r} relays {where}: {told}")
     if closed:
         parts.append(f"{ranks_text(closed)} closed {'its' if len(closed) == 1 else 'their'} "
                      f"communicator {where}")
-    return PeerFailure("; ".join(parts), peer=(aborted or died or closed)[0])
+    return PeerFailure("; ".join(parts), peer=(aborted or died or relayed or closed)[0])

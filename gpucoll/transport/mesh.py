@@ -57,6 +57,8 @@ from gpucoll.transport import shm
 from gpucoll.transport.engine import State
 
 TRANSPORTS = ("auto", "shm", "tcp")
+# how long a rank whose set-up connection broke waits for the store to say which peer went
+BLAME_WAIT = 2.0
 CONTROL, DATA = b"c", b"d"
 HELLO_WAIT = 5.0  # seconds a connection to a rank's listener has to present its hello
 BACKLOG = 128  # room in a listener's queue beyond our ranks' connections, for strays
@@ -188,14 +190,38 @@ class Mesh:
         kinds = [self._pair_kind(me, peers[j], j) for j in range(size)]
         self.local_ranks = sum(1 for p in peers if p["id"] == me["id"])
         data = self._unwrapped  # data sockets until they become links (closed on failure)
-        for j in range(rank):
-            self._connect(j, peers[j], kinds[j], data, deadline)
-        self._accept(kinds, nonce, data, deadline)
-        for j in list(data):
-            self.links[j] = TcpLink(j, data.pop(j), kind=kinds[j])
-        shm_peers = [j for j in range(size) if kinds[j] == "shm"]
-        if shm_peers:
-            self._share_rings(shm_peers, prefix, deadline)
+        try:
+            for j in range(rank):
+                self._connect(j, peers[j], kinds[j], data, deadline)
+            self._accept(kinds, nonce, data, deadline)
+            for j in list(data):
+                self.links[j] = TcpLink(j, data.pop(j), kind=kinds[j])
+            shm_peers = [j for j in range(size) if kinds[j] == "shm"]
+            if shm_peers:
+                self._share_rings(shm_peers, prefix, deadline)
+        except (OSError, PeerFailure) as exc:
+            raise self._blame(exc) from None
+
+    def _blame(self, exc: BaseException) -> PeerFailure:
+        """The PeerFailure for a set-up connection that broke (``exc``): it names the rank whose
+        will the store sets (a killed peer's comes within moments of its death), else the
+        connection's own error."""
+        if self._liveness is not None:
+            until = time.monotonic() + BLAME_WAIT
+            while True:
+                try:
+                    self._liveness.check("ring set-up")
+                except PeerFailure as failure:
+                    return failure
+                except (GpucollError, OSError):
+                    break  # a store that cannot answer: the connection's error is all we know
+                if time.monotonic() >= until:
+                    break
+                time.sleep(0.05)  # the will of a peer whose connection just broke is on its way
+        if isinstance(exc, PeerFailure):
+            return exc
+        return PeerFailure(f"ring set-up on rank {self.rank} of {self.size}: a connection to a "
+                           f"peer broke ({exc})")
 
     def _gather_addresses(self, store, deadline: float) -> list[dict]:
         keys = [f"ring/addr/{j}" for j in range(self.size)]
