@@ -17,6 +17,7 @@ lost (``agree_survivors``).
 
 from __future__ import annotations
 
+import functools
 import json
 import math
 import os
@@ -52,6 +53,7 @@ _WILDCARDS = {"", "0.0.0.0", "::", "*"}
 _REPLY_GRACE = 5.0
 # longest single blocking recv; the deadline is re-checked after each
 _MAX_SLICE = 1.0
+_CLIENT_POLL = 0.02  # how often other_clients looks at the server's connections
 
 
 class TCPStore:
@@ -221,6 +223,26 @@ class TCPStore:
         """How many keys the store holds (all namespaces)."""
         return int(self._call(Op.NUM_KEYS, [], None, "num_keys")[0])
 
+    def other_clients(self, timeout: float, *, what: str = "") -> list[str]:
+        """On the hosting process: wait until no other process is connected (each has closed
+        its connections, or ended), at most ``timeout`` seconds; return the addresses of those
+        still connected then. A process that hosts a job's store calls it before it ends, so
+        that ranks still at work do not lose the store. ``what`` names the wait in its
+        long-wait lines (``gpucoll.progress``)."""
+        if self._server is None:
+            raise ValueError("TCPStore.other_clients: only the process hosting the store "
+                             "knows its clients (is_server=True)")
+        _check_timeout(timeout, "timeout")
+        deadline = time.monotonic() + timeout
+        notice = Waiting(what or f"the store at port {self.port}", timeout)
+        while True:
+            mine = {conn.local for conn in list(_LIVE) if not conn.inherited}
+            others = [peer for peer in self._server.clients() if peer not in mine]
+            if not others or time.monotonic() >= deadline:
+                return others
+            notice.tick(functools.partial(_others_text, len(others)))
+            time.sleep(min(_CLIENT_POLL, max(deadline - time.monotonic(), 0.0)))
+
     def close(self) -> None:
         """Close the connection once the server has applied this store's sets and, on the
         hosting rank, stop the server. Idempotent."""
@@ -278,6 +300,10 @@ class TCPStore:
             raise StoreError(f"{what}: store at {self._conn.address} refused: "
                              f"{reply[0].decode('utf-8', 'replace') if reply else '?'}")
         return reply
+
+
+def _others_text(count: int) -> str:
+    return f"for {count} other process{'es' if count > 1 else ''} to leave the store it hosts"
 
 
 def _check_timeout(timeout: float, name: str) -> None:
@@ -360,6 +386,8 @@ class Connection:
         deadline = time.monotonic() + timeout
         # A blocking socket with kernel-side timeouts: no poll() before every send and recv.
         self._sock = _connect(host, port, timeout, deadline)
+        local = self._sock.getsockname()
+        self.local = f"{local[0]}:{local[1]}"  # as the server names this client
         _set_timeo(self._sock, socket.SO_SNDTIMEO, min(max(timeout, 1.0), 60.0))
         self._rcv_timeo = 0.0
         # replies come from the server we chose: any size a frame can carry

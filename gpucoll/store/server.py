@@ -309,6 +309,12 @@ class StoreServer:
         self._thread.join(timeout)
         self._wake_w.close()
 
+    def clients(self) -> list[str]:
+        """The addresses (``host:port``) of the clients connected now; read from another
+        thread, so a connection made or dropped meanwhile may or may not be in it."""
+        return [conn.peer for conn in list(self._conns.values())
+                if conn.authed and not conn.closed]
+
     def drop_inherited(self) -> None:
         """In a forked child (where the loop's thread does not exist): close this process's
         copies of the listener and every connection, telling nobody."""
