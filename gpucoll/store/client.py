@@ -109,6 +109,12 @@ class TCPStore:
         return self._server is not None
 
     @property
+    def stalled(self) -> bool:
+        """True when a call got no reply by its deadline and nothing has come from the store
+        since (it is unreachable, stopped or overwhelmed): leaving a group then waits no more."""
+        return self._conn.stalled
+
+    @property
     def max_value_bytes(self) -> int:
         """The server's value-size limit, learnt when connecting."""
         return self._conn.max_value_bytes
@@ -251,7 +257,7 @@ class TCPStore:
         self._closed = True
         if self._conn.inherited:
             return  # a forked child's copy: the connection and server are the parent's
-        if self._conn.unconfirmed:
+        if self._conn.unconfirmed and not self._conn.stalled:
             # a round trip, so the sets just sent are applied before the connection goes
             try:
                 self._call(Op.NUM_KEYS, [], min(self.timeout, 5.0), "close")
@@ -403,6 +409,9 @@ class Connection:
         self._pid = os.getpid()
         _LIVE.add(self)
         self.unconfirmed = False  # a fire-and-forget request was sent since the last reply
+        # a request got no reply by its deadline, and nothing came since: the store is
+        # unreachable or stopped, so leaving a group sends what it must and waits for nothing
+        self.stalled = False
         hello = [VERSION, (token or "").encode()]
         try:
             status, args = self.request(Op.HELLO, hello, deadline, "connect")
@@ -521,6 +530,7 @@ class Connection:
                 while slot.reply is None and self._reading and self._error is None:
                     remaining = deadline - time.monotonic()
                     if remaining <= 0:
+                        self.stalled = True
                         raise StoreTimeout(f"{what}: no reply from store at {self.address} "
                                            f"by the deadline")
                     self._cond.wait(remaining)
@@ -544,6 +554,7 @@ class Connection:
             """Before each receive: the deadline check and the receive's kernel timeout."""
             remaining = deadline - time.monotonic()
             if remaining <= 0:
+                self.stalled = True
                 raise StoreTimeout(f"{what}: no reply from store at {self.address} "
                                    f"by the deadline")
             want = min(remaining, _MAX_SLICE)
@@ -571,6 +582,7 @@ class Connection:
 
     def _deliver(self, frame: tuple[int, int, list[bytes]], mine: _Slot, what: str) -> None:
         code, rid, args = frame
+        self.stalled = False
         if self._pending.get(rid) is mine:
             mine.reply = (code, args)  # our own reply: nobody else to wake
             return
@@ -758,6 +770,7 @@ class PrefixStore:
 
 POLL = 0.5  # longest wait in the store between two looks at which ranks are gone
 LEAVE_TIMEOUT = 5.0  # what leaving a group may take at most: the store may be unresponsive
+LEAVE_PROBE = 0.5  # the first reply leaving waits for; a store slower than that is stalled
 _GONE = "gone/{}"
 
 
@@ -795,8 +808,7 @@ class Liveness:
         Idempotent; never raises (the store may be gone already)."""
         if not self._left:
             self._left = True
-            _mark_gone(self.store, self.rank, time.monotonic() + LEAVE_TIMEOUT,
-                       _gone_value(aborted))
+            _mark_gone(self.store, self.rank, _gone_value(aborted))
 
     def check(self, what: str, ranks: Sequence[int] | None = None) -> None:
         """Raise PeerFailure naming the ranks (of ``ranks``; by default all others) found gone,
@@ -953,12 +965,13 @@ def leave_group(store: Any, rank: int, size: int, aborted: str | None = None) ->
     closed (or keeps saying it aborted, with ``aborted``, the reason), and the rank that finds
     every rank gone that way deletes the whole namespace, so a group that closes leaves no keys
     behind. A group with a dead rank keeps its keys (the next start-up in the store skips and
-    removes them). Never raises; takes at most ``LEAVE_TIMEOUT``."""
-    deadline = time.monotonic() + LEAVE_TIMEOUT
-    if not _mark_gone(store, rank, deadline, _gone_value(aborted)):
+    removes them). Never raises; takes at most ``LEAVE_TIMEOUT``, and nothing on a store found
+    stalled (every communicator's leave after the first on an unreachable store)."""
+    if not _mark_gone(store, rank, _gone_value(aborted)) or _stalled(store):
         return
+    deadline = time.monotonic() + LEAVE_TIMEOUT
     try:
-        states = store.peek([_GONE.format(r) for r in range(size)], timeout=_left(deadline))
+        states = store.peek([_GONE.format(r) for r in range(size)], timeout=LEAVE_PROBE)
         if all(s is not None and (s == b"closed" or aborted_reason(s.decode("utf-8", "replace"))
                                   is not None) for s in states):
             store.delete_prefix("", timeout=_left(deadline))
@@ -966,16 +979,36 @@ def leave_group(store: Any, rank: int, size: int, aborted: str | None = None) ->
         pass
 
 
-def _mark_gone(store: Any, rank: int, deadline: float, how: bytes = b"closed") -> bool:
+def _mark_gone(store: Any, rank: int, how: bytes = b"closed") -> bool:
     """Withdraw ``rank``'s will and set its ``gone/`` key to ``how`` (closed, or aborted and
-    why); False if the store failed."""
+    why), without waiting for the store (on a TCPStore: the server applies both in order);
+    False if the store failed."""
     key = _GONE.format(rank)
     try:
-        store.clear_will(key, timeout=_left(deadline))
+        base, prefixed = _unwrap(store, key)
+        if isinstance(base, TCPStore):
+            base._conn.post(encode(Op.CLEAR_WILL, NO_REPLY, [_key(prefixed)]), "clear_will")
+        else:  # a user's store class: its own round trip
+            store.clear_will(key, timeout=LEAVE_TIMEOUT)
         store.set(key, how)
         return True
     except (GpucollError, OSError):
         return False
+
+
+def _unwrap(store: Any, key: str) -> tuple[Any, str]:
+    """The store under ``store``'s PrefixStore wrappers, and ``key`` as it is named there."""
+    for _ in range(16):
+        if not isinstance(store, PrefixStore):
+            break
+        key = store._k(key)
+        store = store.store
+    return store, key
+
+
+def _stalled(store: Any) -> bool:
+    """Whether the TCPStore under ``store`` got no reply lately (``TCPStore.stalled``)."""
+    return bool(getattr(_unwrap(store, "")[0], "stalled", False))
 
 
 _ABORTED = "aborted: "  # the start of the ``gone/`` value of a rank that aborted, then why
