@@ -208,7 +208,6 @@ def run_job(cfg: LaunchConfig, job: Job) -> int:
 JOIN_TIMEOUT = 300.0  # how long another node's launcher waits for node 0's store
 BEAT = 0.5  # how often a launcher of another node says in the store that it is alive
 LOST_AFTER = 5.0  # a node silent this long after its last beat is lost (its host or network)
-PROBE = 2.0  # how long another node's launcher waits for node 0's store to answer at the end
 PREFIX = "gpucoll-launch/"
 ABORT = LAUNCHER_ABORT  # the ranks' start-up also watches it (gpucoll.rendezvous)
 NODE_LOST = 1  # the exit status when a node was lost and every rank here succeeded
@@ -248,6 +247,8 @@ class JobStore:
         self._stop = threading.Event()
         self._watcher: threading.Thread | None = None
         self._store_lost: StoreError | None = None  # the watcher lost the store meanwhile
+        self._store_heard = time.monotonic()  # when node 0's store last answered the watcher
+        self._beats: dict[int, tuple[bytes, float]] = {}  # node: its last beat, when it came
 
     def watch(self, events: queue.SimpleQueue) -> None:
         """Post a :class:`RemoteAbort` on ``events`` if another node aborts the job."""
@@ -258,14 +259,19 @@ class JobStore:
 
     def _watch(self, events: queue.SimpleQueue) -> None:
         beat = f"{PREFIX}beat/{self.cfg.node_rank}"
+        beats = [f"{PREFIX}beat/{k}" for k in range(1, self.cfg.nnodes)]
         count = 0
         while not self._stop.is_set():
             try:
                 if self.cfg.node_rank != 0:
                     count += 1
                     self.store.set(beat, str(count))
+                else:
+                    self._heard_from(self.store.peek(beats))
                 self.store.wait([ABORT], timeout=BEAT)
             except TimeoutError:
+                if not self.store.stalled:  # the server's own answer: the store is there
+                    self._store_heard = time.monotonic()
                 continue
             except StoreError as exc:
                 # node 0 closes the store only once this node said it finished: before that,
@@ -276,15 +282,30 @@ class JobStore:
             events.put(RemoteAbort(status, reason))
             return
 
+    def _heard_from(self, beats: list[bytes | None]) -> None:
+        """Node 0: note when each other node's beat last changed."""
+        now = time.monotonic()
+        for k, value in enumerate(beats, start=1):
+            if value is not None and self._beats.get(k, (None,))[0] != value:
+                self._beats[k] = (value, now)
+
+    def _store_left(self) -> float:
+        """Another node: how long node 0's store may still take to answer before it is lost
+        (``LOST_AFTER`` after the last answer the watcher had)."""
+        return max(LOST_AFTER - (time.monotonic() - self._store_heard), 0.1)
+
     def abort(self, status: int, rank: int, reason: str) -> None:
         """Tell every other node to stop its ranks, and the ranks still starting up that the
         job is over because ``rank`` failed (the first abort wins). Without the store (node 0
         lost) there is nobody to tell: ``finish`` says so."""
-        try:
+        if self.cfg.node_rank == 0:
             self.store.compare_set(ABORT, b"", launcher_abort(status, rank, reason))
+            return
+        try:
+            if self._store_lost is None:
+                self.store.compare_set(ABORT, b"", launcher_abort(status, rank, reason),
+                                       timeout=self._store_left())
         except StoreError as exc:
-            if self.cfg.node_rank == 0:
-                raise
             self._store_lost = exc
 
     def finish(self, status: int) -> int:
@@ -298,7 +319,7 @@ class JobStore:
             try:  # a round trip first: is node 0 still there to take the status?
                 if self._store_lost is not None:
                     raise self._store_lost
-                self.store.peek([ABORT], timeout=PROBE)
+                self.store.peek([ABORT], timeout=self._store_left())
                 self.store.set(f"{PREFIX}done/{self.cfg.node_rank}", str(status))
             except StoreError as exc:
                 raise NodeLost(f"node 0, which hosts the job's store, was lost (its launcher "
@@ -309,7 +330,6 @@ class JobStore:
         done = [f"{PREFIX}done/{k}" for k in others]
         lost = [f"{PREFIX}lost/{k}" for k in others]
         beats = [f"{PREFIX}beat/{k}" for k in others]
-        heard: dict[int, tuple[bytes, float]] = {}  # node: its last beat, when it changed
         deadline = time.monotonic() + JOIN_TIMEOUT
         while True:
             try:
@@ -319,19 +339,17 @@ class JobStore:
                 pass
             now = time.monotonic()
             finished = self.store.peek(done)
-            for k, fin, will, beat in zip(others, finished, self.store.peek(lost),
-                                          self.store.peek(beats), strict=True):
+            self._heard_from(self.store.peek(beats))
+            for k, fin, will in zip(others, finished, self.store.peek(lost), strict=True):
                 if fin is not None:
                     continue
                 if will is not None:
                     raise NodeLost(f"node {k} was lost: its launcher died before its ranks "
                                    f"finished (killed, or its connection to the store broke)")
-                if beat is not None and heard.get(k, (None,))[0] != beat:
-                    heard[k] = (beat, now)
-                elif k in heard and now - heard[k][1] > LOST_AFTER:
+                if k in self._beats and now - self._beats[k][1] > LOST_AFTER:
                     raise NodeLost(f"node {k} was lost: its launcher has not been heard from "
-                                   f"for {now - heard[k][1]:.1f} s (its host or the network "
-                                   f"between the nodes went away)")
+                                   f"for {now - self._beats[k][1]:.1f} s (its host or the "
+                                   f"network between the nodes went away)")
             if now >= deadline:
                 missing = [k for k, fin in zip(others, finished, strict=True) if fin is None]
                 raise NodeLost(f"node{'s' if len(missing) > 1 else ''} "

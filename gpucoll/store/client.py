@@ -160,12 +160,14 @@ class TCPStore:
         args = [_key(key), b"%d" % amount]
         return int(self._call(Op.ADD, args, None, f"add({key!r})")[0])
 
-    def compare_set(self, key: str, expected: bytes | str, desired: bytes | str) -> bytes:
+    def compare_set(self, key: str, expected: bytes | str, desired: bytes | str, *,
+                    timeout: float | None = None) -> bytes:
         """Atomically set ``desired`` if ``key`` holds ``expected`` (or is unset and
-        ``expected`` is empty); returns the value ``key`` holds afterwards."""
+        ``expected`` is empty); returns the value ``key`` holds afterwards. ``timeout`` bounds
+        the round trip."""
         what = f"compare_set({key!r})"
         args = [_key(key), self._value(expected, what), self._value(desired, what)]
-        return self._call(Op.COMPARE_SET, args, None, what)[0]
+        return self._call(Op.COMPARE_SET, args, timeout, what)[0]
 
     def delete_key(self, key: str) -> bool:
         """Remove ``key``; True if it was there."""
@@ -719,8 +721,9 @@ class PrefixStore:
     def add(self, key: str, amount: int) -> int:
         return self.store.add(self._k(key), amount)
 
-    def compare_set(self, key: str, expected: bytes | str, desired: bytes | str) -> bytes:
-        return self.store.compare_set(self._k(key), expected, desired)
+    def compare_set(self, key: str, expected: bytes | str, desired: bytes | str, *,
+                    timeout: float | None = None) -> bytes:
+        return self.store.compare_set(self._k(key), expected, desired, timeout=timeout)
 
     def wait(self, keys: Sequence[str], timeout: float | None = None) -> None:
         self.store.wait(self._ks(keys, "wait"), timeout=timeout)
