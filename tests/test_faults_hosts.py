@@ -99,3 +99,61 @@ def test_launchers_cut_apart_each_end_within_seconds_naming_the_other_node(tmp_p
     assert "gpucoll run: node 1 was lost: its launcher has not been heard from" in text[0], text[0]
     assert "gpucoll run: node 0, which hosts the job's store, was lost" in text[1], text[1]
     assert max(took) < 12, (took, text)
+
+
+# One rank per host, four communicators (the world and three splits); each rank says when its
+# error came and when it had left every communicator.
+LEAVING = """
+    import time
+    import numpy as np
+    import gpucoll
+    from gpucoll import PeerFailure
+    try:
+        with gpucoll.init() as comm:
+            subs = [comm.split(0, comm.rank) for _ in range(3)]
+            x = np.ones(4, np.float32)
+            comm.all_reduce(x)
+            print("ready", flush=True)
+            try:
+                while True:
+                    for c in [comm, *subs]:
+                        c.all_reduce(x)
+                    time.sleep(0.01)
+            except PeerFailure:
+                raised = time.monotonic()
+                raise
+    except PeerFailure:
+        print(f"left {time.monotonic() - raised:.3f} s after the error", flush=True)
+"""
+
+
+def test_a_rank_cut_off_from_the_store_leaves_four_communicators_within_a_second(tmp_path):
+    script = write_script(tmp_path, LEAVING)
+    env = dict(os.environ, GPUCOLL_STORE_TOKEN="shared-secret-for-this-test", TMPDIR=str(tmp_path))
+    with multinode.Hosts() as hosts:
+        port = multinode.free_port()
+        out = tmp_path / "node1.out"
+        launchers = []
+        try:
+            for k in range(2):
+                argv = [sys.executable, "-m", "gpucoll", "run", "-n", "1", "--nnodes", "2",
+                        "--node-rank", str(k), "--master-addr", hosts.addr[0], "--master-port",
+                        str(port), "--grace", "5", script]
+                with open(tmp_path / f"node{k}.out", "wb") as o, \
+                        open(tmp_path / f"node{k}.err", "wb") as e:
+                    launchers.append(subprocess.Popen(hosts.command(k, argv), env=env,
+                                                      cwd=tmp_path, stdout=o, stderr=e,
+                                                      start_new_session=True))
+            for k in range(2):
+                wait_for(tmp_path / f"node{k}.out", "ready", 1, 60)
+            cut(hosts)
+            wait_for(out, "after the error", 1, 30)
+        finally:
+            for proc in launchers:
+                try:
+                    os.killpg(proc.pid, signal.SIGKILL)
+                except ProcessLookupError:
+                    pass
+                proc.wait(10)
+    seconds = float(out.read_text().split("left ")[1].split()[0])
+    assert seconds < 1.0, out.read_text()
