@@ -291,8 +291,8 @@ class JobStore:
 
     def _store_left(self) -> float:
         """Another node: how long node 0's store may still take to answer before it is lost
-        (``LOST_AFTER`` after the last answer the watcher had)."""
-        return max(LOST_AFTER - (time.monotonic() - self._store_heard), 0.1)
+        (``LOST_AFTER`` after the last answer it gave, and at least a second)."""
+        return max(LOST_AFTER - (time.monotonic() - self._store_heard), 1.0)
 
     def abort(self, status: int, rank: int, reason: str) -> None:
         """Tell every other node to stop its ranks, and the ranks still starting up that the
@@ -305,6 +305,7 @@ class JobStore:
             if self._store_lost is None:
                 self.store.compare_set(ABORT, b"", launcher_abort(status, rank, reason),
                                        timeout=self._store_left())
+                self._store_heard = time.monotonic()
         except StoreError as exc:
             self._store_lost = exc
 
