@@ -7,7 +7,7 @@ The job's key-value store is hosted by node 0's launcher, not rank 0, so it is u
 rank starts and outlives a rank that fails. A fresh random token keeps other jobs' ranks out of
 it. In a job of several nodes the launchers also meet there: a node whose rank fails posts an
 abort that stops the ranks of every other node, and node 0 keeps the store up until every node
-has finished.
+has finished or is lost (each other launcher leaves a will there and beats: ``JobStore``).
 """
 
 from __future__ import annotations
