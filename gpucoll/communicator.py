@@ -33,6 +33,7 @@ torch.distributed users reach for as ``new_group(ranks)`` and ``monitored_barrie
 
 from __future__ import annotations
 
+import atexit
 import functools
 import json
 import operator
@@ -150,6 +151,37 @@ def _without_gpucoll_frames(tb: Any) -> tuple[Any, int]:
     for entry in reversed(kept):
         chain = types.TracebackType(chain, entry.tb_frame, entry.tb_lasti, entry.tb_lineno)
     return chain, hidden
+
+
+def _release_store(store: Any, rank: int, size: int, timeout: float) -> None:
+    """Close a store this communicator made. Where this process hosts it (rank 0 under
+    mpirun, say), first wait up to ``timeout`` for the other ranks' processes to leave it:
+    they may still be starting up or at work in other groups, and need it."""
+    if getattr(store, "is_server", False):
+        where = f"rank {rank} of {size}"
+        left = store.other_clients(timeout, what=f"closing the store hosted by {where}")
+        if left:
+            print(f"gpucoll: {where} hosts the job's store and stops it now, although "
+                  f"{len(left)} other process{'es' if len(left) > 1 else ''} still "
+                  f"use{'s' if len(left) == 1 else ''} it after {timeout:g} s "
+                  f"({', '.join(left[:4])}{', ...' if len(left) > 4 else ''}): they lose it",
+                  file=sys.stderr, flush=True)
+    store.close()
+
+
+@atexit.register
+def _close_at_exit() -> None:
+    """A process that ends without closing its communicators (a script written the mpi4py way)
+    closes them now, as MPI_Finalize would, the one that owns the store last: its peers learn
+    that it closed rather than died, and can go on among themselves, and where this process
+    hosts the job's store it stays up for the ranks that still need it (``_release_store``).
+    A communicator aborted (by an uncaught exception, say) is only released."""
+    comms = [c for c in list(_LIVE) if not c.closed and not c._forked]
+    for comm in sorted(comms, key=lambda c: c._owned_store is not None):
+        try:
+            comm.close()
+        except GpucollError:
+            pass  # its peers see their own side of it
 
 
 def _gives_up(exc: object) -> bool:
@@ -795,7 +827,7 @@ class Communicator(OutOfPlaceCalls, UnevenCalls, ObjectCalls, MessageCalls, Poin
             self._flight.close()
             self._leave()
             if self._owned_store is not None:
-                self._owned_store.close()
+                _release_store(self._owned_store, self.rank, self.size, self.timeout)
 
     def abort(self, reason: str = "aborted by the program") -> None:
         """End this communicator now on every rank: a call in progress here (in any thread)

@@ -227,9 +227,8 @@ def release(store: Any) -> None:
     be finishing the start-up (a program that ends its group as soon as it has it), and
     closing the store under them would fail it."""
     if store.is_server:
-        deadline = time.monotonic() + _RELEASE_WAIT
-        while store.clients() > 1 and time.monotonic() < deadline:
-            time.sleep(_POLL)  # a poll bounded by the deadline above
+        store.other_clients(_RELEASE_WAIT, what="destroy_process_group on the rank hosting the "
+                                                "store")
     store.close()
 
 

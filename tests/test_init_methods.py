@@ -7,7 +7,10 @@ from __future__ import annotations
 
 import os
 import socket
+import subprocess
+import sys
 import threading
+import time
 import warnings
 
 import numpy as np
@@ -285,21 +288,36 @@ def test_node_local_rank_comes_from_the_launcher_else_the_fallback_else_an_error
 
 # -- the end of a group --------------------------------------------------------------------------
 
+def _client_process(port: int) -> subprocess.Popen:
+    """Another process connected to the store at ``port``: it adds to a key and leaves once it
+    reads a line (an add: it waits for the store's answer)."""
+    code = ("import sys; from gpucoll import TCPStore\n"
+            f"s = TCPStore('127.0.0.1', {port}, timeout=10)\n"
+            "print('in', flush=True); sys.stdin.readline(); s.add('still', 1); s.close()")
+    proc = subprocess.Popen([sys.executable, "-c", code], stdin=subprocess.PIPE,
+                            stdout=subprocess.PIPE, stderr=subprocess.DEVNULL, text=True)
+    assert proc.stdout.readline().strip() == "in"
+    return proc
+
+
 def test_the_hosting_rank_keeps_its_store_up_until_the_others_have_left():
     from gpucoll import init_methods
 
     hosted = TCPStore("127.0.0.1", 0, is_server=True, timeout=10)
-    other = TCPStore("127.0.0.1", hosted.port, timeout=10)
-    closing = threading.Thread(target=init_methods.release, args=(hosted,))
-    closing.start()
-    closing.join(0.3)
-    assert closing.is_alive()  # waiting for the other rank, up to 5 s
-    other.set("still", b"served")
-    other.close()
-    closing.join(10)
-    assert not closing.is_alive()
-    with pytest.raises(StoreError):
-        TCPStore("127.0.0.1", hosted.port, timeout=0.5)  # closed once the other left
+    other = _client_process(hosted.port)
+    try:
+        closing = threading.Thread(target=init_methods.release, args=(hosted,))
+        closing.start()
+        closing.join(0.3)
+        assert closing.is_alive()  # waiting for the other rank, up to 5 s
+        other.communicate("go\n", timeout=20)
+        assert other.returncode == 0
+        closing.join(10)
+        assert not closing.is_alive()
+        with pytest.raises(StoreError):
+            TCPStore("127.0.0.1", hosted.port, timeout=0.5)  # closed once the other left
+    finally:
+        other.kill()
 
 
 def test_the_hosting_rank_closes_its_store_at_the_bound_when_a_rank_stays(monkeypatch):
@@ -307,8 +325,12 @@ def test_the_hosting_rank_closes_its_store_at_the_bound_when_a_rank_stays(monkey
 
     monkeypatch.setattr(init_methods, "_RELEASE_WAIT", 0.2)
     hosted = TCPStore("127.0.0.1", 0, is_server=True, timeout=10)
-    stays = TCPStore("127.0.0.1", hosted.port, timeout=10)
-    init_methods.release(hosted)
-    with pytest.raises(StoreError, match="lost the connection"):
-        stays.add("k", 1)
-    stays.close()
+    stays = _client_process(hosted.port)
+    try:
+        start = time.monotonic()
+        init_methods.release(hosted)
+        assert time.monotonic() - start < 3
+        stays.communicate("go\n", timeout=20)
+        assert stays.returncode != 0  # its store went at the bound
+    finally:
+        stays.kill()

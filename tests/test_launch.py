@@ -551,3 +551,57 @@ def test_bind_with_an_unreadable_topology_starts_nothing(launch, tmp_path):
     assert job.finish() == 2
     assert "gpucoll run: error: --bind: bad.txt: no header line found" in job.err()
     assert "BIND" not in job.out()
+
+
+# Ranks that meet in gpucoll and all_reduce until a peer is lost (then they fail, code 1).
+ALL_REDUCING = """
+    import os, time
+    import numpy as np
+    import gpucoll
+    comm = gpucoll.init()
+    x = np.ones(4, np.float32)
+    comm.all_reduce(x)
+    print(f"pid={os.getpid()} ready", flush=True)
+    while True:
+        comm.all_reduce(x)
+        time.sleep(0.01)
+"""
+
+
+def two_nodes(launch, script: str, grace: str = "0.5"):
+    """Node 0's and node 1's launchers of one job of 2 x 2 ranks on this machine."""
+    env = {"GPUCOLL_STORE_TOKEN": "shared-secret-for-this-test"}
+    common = ["-n", "2", "--nnodes", "2", "--master-addr", "127.0.0.1", "--grace", grace]
+    node0 = launch([*common, "--node-rank", "0", "--master-port", "0", script], env=env)
+    [line] = node0.wait_for_lines(r"store listening at tcp://127\.0\.0\.1:\d+$", 1,
+                                  stream="stderr")
+    node1 = launch([*common, "--node-rank", "1", "--master-port", line.rsplit(":", 1)[1],
+                    script], env=env)
+    return node0, node1
+
+
+def test_a_launcher_outlives_another_node_whose_launcher_is_killed_by_a_few_seconds(
+        launch, tmp_path):
+    node0, node1 = two_nodes(launch, write_script(tmp_path, ALL_REDUCING))
+    node0.wait_for_lines(r"ready$", 2)
+    node1.wait_for_lines(r"ready$", 2)
+    node1.proc.kill()  # the launcher alone: its ranks die with it
+    killed = time.monotonic()
+    assert node0.finish(timeout=30) == 1, node0.text()
+    assert time.monotonic() - killed < 10, node0.text()
+    assert "gpucoll run: node 1 was lost: its launcher died" in node0.err()
+    node1.finish()
+    assert not any(alive(pid) for pid in pids(node0) + pids(node1))
+
+
+def test_a_launcher_whose_store_host_node_is_killed_names_node_0(launch, tmp_path):
+    node0, node1 = two_nodes(launch, write_script(tmp_path, ALL_REDUCING))
+    node0.wait_for_lines(r"ready$", 2)
+    node1.wait_for_lines(r"ready$", 2)
+    node0.proc.kill()
+    killed = time.monotonic()
+    assert node1.finish(timeout=30) == 1, node1.text()
+    assert time.monotonic() - killed < 10, node1.text()
+    assert "gpucoll run: node 0, which hosts the job's store, was lost" in node1.err(), node1.err()
+    node0.finish()
+    assert not any(alive(pid) for pid in pids(node0) + pids(node1))

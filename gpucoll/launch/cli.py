@@ -7,7 +7,7 @@ The job's key-value store is hosted by node 0's launcher, not rank 0, so it is u
 rank starts and outlives a rank that fails. A fresh random token keeps other jobs' ranks out of
 it. In a job of several nodes the launchers also meet there: a node whose rank fails posts an
 abort that stops the ranks of every other node, and node 0 keeps the store up until every node
-has finished.
+has finished or is lost (each other launcher leaves a will there and beats: ``JobStore``).
 """
 
 from __future__ import annotations
@@ -18,6 +18,7 @@ import queue
 import secrets
 import socket
 import threading
+import time
 
 from gpucoll.errors import LaunchError, StoreError
 from gpucoll.launch.config import LaunchConfig, bindings, thread_env, validate, visible_gpus
@@ -201,7 +202,11 @@ def run_job(cfg: LaunchConfig, job: Job) -> int:
         with signals_to(job.events):  # forwarded from the first rank's start on
             job.launch((host, port), token, torch_port(cfg, port))
             status = job.supervise()
-        return store.finish(status)
+        try:
+            return store.finish(status)
+        except NodeLost as exc:
+            job.console.write("stderr", f"gpucoll run: {exc}\n".encode())
+            return status or NODE_LOST
     finally:
         store.close()
 
@@ -209,16 +214,30 @@ def run_job(cfg: LaunchConfig, job: Job) -> int:
 # ---- the job's store -----------------------------------------------------------------------------
 
 JOIN_TIMEOUT = 300.0  # how long another node's launcher waits for node 0's store
+BEAT = 0.5  # how often a launcher of another node says in the store that it is alive
+LOST_AFTER = 5.0  # a node silent this long after its last beat is lost (its host or network)
 PREFIX = "gpucoll-launch/"
 ABORT = LAUNCHER_ABORT  # the ranks' start-up also watches it (gpucoll.rendezvous)
+NODE_LOST = 1  # the exit status when a node was lost and every rank here succeeded
 
 
 def new_token() -> str:
     return secrets.token_hex(16)
 
 
+class NodeLost(Exception):
+    """Another node's launcher is gone: its line for the console, naming the node."""
+
+
 class JobStore:
-    """The store as the launchers use it; ``address`` is what the ranks connect to."""
+    """The store as the launchers use it; ``address`` is what the ranks connect to.
+
+    In a job of several nodes every launcher but node 0's leaves a will in the store, as ranks
+    do (``lost/K = died`` when its connection ends), and beats there every ``BEAT`` seconds, so
+    node 0 learns at once that a launcher was killed, and within ``LOST_AFTER`` seconds that
+    its host or network went away. Node 0's death takes the store with it, which every other
+    node sees as the store not answering.
+    """
 
     def __init__(self, cfg: LaunchConfig, token: str):
         from gpucoll.store import TCPStore
@@ -230,9 +249,14 @@ class JobStore:
         else:
             self.store = TCPStore(cfg.master_addr, cfg.master_port, token=token,
                                   timeout=JOIN_TIMEOUT)
+            self.store.set_will(f"{PREFIX}lost/{cfg.node_rank}", b"died")
+            self.store.timeout = LOST_AFTER  # from now on node 0 answers by then, or is lost
         self.address = (cfg.master_addr, self.store.port)
         self._stop = threading.Event()
         self._watcher: threading.Thread | None = None
+        self._store_lost: StoreError | None = None  # the watcher lost the store meanwhile
+        self._store_heard = time.monotonic()  # when node 0's store last answered the watcher
+        self._beats: dict[int, tuple[bytes, float]] = {}  # node: its last beat, when it came
 
     def watch(self, events: queue.SimpleQueue) -> None:
         """Post a :class:`RemoteAbort` on ``events`` if another node aborts the job."""
@@ -242,41 +266,112 @@ class JobStore:
             self._watcher.start()
 
     def _watch(self, events: queue.SimpleQueue) -> None:
+        beat = f"{PREFIX}beat/{self.cfg.node_rank}"
+        beats = [f"{PREFIX}beat/{k}" for k in range(1, self.cfg.nnodes)]
+        count = 0
         while not self._stop.is_set():
             try:
-                self.store.wait([ABORT], timeout=0.5)
+                if self.cfg.node_rank != 0:
+                    count += 1
+                    self.store.set(beat, str(count))
+                else:
+                    self._heard_from(self.store.peek(beats))
+                self.store.wait([ABORT], timeout=BEAT)
             except TimeoutError:
+                if not self.store.stalled:  # the server's own answer: the store is there
+                    self._store_heard = time.monotonic()
                 continue
-            except StoreError:
-                return  # the store went away: node 0 finished; nothing more to hear
+            except StoreError as exc:
+                # node 0 closes the store only once this node said it finished: before that,
+                # losing it means losing node 0
+                self._store_lost = exc
+                return
             status, _, reason = read_launcher_abort(self.store.get(ABORT))
             events.put(RemoteAbort(status, reason))
             return
 
+    def _heard_from(self, beats: list[bytes | None]) -> None:
+        """Node 0: note when each other node's beat last changed."""
+        now = time.monotonic()
+        for k, value in enumerate(beats, start=1):
+            if value is not None and self._beats.get(k, (None,))[0] != value:
+                self._beats[k] = (value, now)
+
+    def _store_left(self) -> float:
+        """Another node: how long node 0's store may still take to answer before it is lost
+        (``LOST_AFTER`` after the last answer it gave, and at least a second)."""
+        return max(LOST_AFTER - (time.monotonic() - self._store_heard), 1.0)
+
     def abort(self, status: int, rank: int, reason: str) -> None:
         """Tell every other node to stop its ranks, and the ranks still starting up that the
-        job is over because ``rank`` failed (the first abort wins)."""
-        self.store.compare_set(ABORT, b"", launcher_abort(status, rank, reason))
+        job is over because ``rank`` failed (the first abort wins). Without the store (node 0
+        lost) there is nobody to tell: ``finish`` says so."""
+        if self.cfg.node_rank == 0:
+            self.store.compare_set(ABORT, b"", launcher_abort(status, rank, reason))
+            return
+        try:
+            if self._store_lost is None:
+                self.store.compare_set(ABORT, b"", launcher_abort(status, rank, reason),
+                                       timeout=self._store_left())
+                self._store_heard = time.monotonic()
+        except StoreError as exc:
+            self._store_lost = exc
 
     def finish(self, status: int) -> int:
         """Record this node's exit status; node 0 waits for the others (the store is theirs
-        too) and returns the first non-zero status among the nodes."""
+        too) and returns the first non-zero status among the nodes. A node found lost ends
+        the wait: its line is printed by the caller (:class:`NodeLost`)."""
         self._stop.set()
         if self.cfg.nnodes == 1:
             return status
-        self.store.set(f"{PREFIX}done/{self.cfg.node_rank}", str(status))
         if self.cfg.node_rank != 0:
-            return status
-        keys = [f"{PREFIX}done/{k}" for k in range(self.cfg.nnodes)]
-        self.store.wait(keys, timeout=JOIN_TIMEOUT)
-        statuses = [int(v) for v in self.store.multi_get(keys)]
+            try:  # a round trip first: is node 0 still there to take the status?
+                if self._store_lost is not None:
+                    raise self._store_lost
+                self.store.peek([ABORT], timeout=self._store_left())
+                self.store.set(f"{PREFIX}done/{self.cfg.node_rank}", str(status))
+            except StoreError as exc:
+                raise NodeLost(f"node 0, which hosts the job's store, was lost (its launcher "
+                               f"died or its host cannot be reached): {exc}") from None
+            return status  # the will fires when this connection ends, after the status
+        self.store.set(f"{PREFIX}done/0", str(status))
+        others = range(1, self.cfg.nnodes)
+        done = [f"{PREFIX}done/{k}" for k in others]
+        lost = [f"{PREFIX}lost/{k}" for k in others]
+        beats = [f"{PREFIX}beat/{k}" for k in others]
+        deadline = time.monotonic() + JOIN_TIMEOUT
+        while True:
+            try:
+                self.store.wait(done, timeout=BEAT)
+                break
+            except TimeoutError:
+                pass
+            now = time.monotonic()
+            finished = self.store.peek(done)
+            self._heard_from(self.store.peek(beats))
+            for k, fin, will in zip(others, finished, self.store.peek(lost), strict=True):
+                if fin is not None:
+                    continue
+                if will is not None:
+                    raise NodeLost(f"node {k} was lost: its launcher died before its ranks "
+                                   f"finished (killed, or its connection to the store broke)")
+                if k in self._beats and now - self._beats[k][1] > LOST_AFTER:
+                    raise NodeLost(f"node {k} was lost: its launcher has not been heard from "
+                                   f"for {now - self._beats[k][1]:.1f} s (its host or the "
+                                   f"network between the nodes went away)")
+            if now >= deadline:
+                missing = [k for k, fin in zip(others, finished, strict=True) if fin is None]
+                raise NodeLost(f"node{'s' if len(missing) > 1 else ''} "
+                               f"{', '.join(map(str, missing))} did not finish within "
+                               f"{JOIN_TIMEOUT:g} s")
+        statuses = [int(v) for v in self.store.multi_get([f"{PREFIX}done/0", *done])]
         return next((s for s in statuses if s), 0)
 
     def close(self) -> None:
         self._stop.set()
+        self.store.close()  # first: it ends a wait of the watcher at once
         if self._watcher is not None:
             self._watcher.join(timeout=5)
-        self.store.close()
 
 
 def torch_port(cfg: LaunchConfig, store_port: int) -> int:

@@ -17,6 +17,7 @@ lost (``agree_survivors``).
 
 from __future__ import annotations
 
+import functools
 import json
 import math
 import os
@@ -25,6 +26,7 @@ import socket
 import struct
 import threading
 import time
+import weakref
 from collections.abc import Callable, Sequence
 from typing import Any
 
@@ -52,6 +54,7 @@ _WILDCARDS = {"", "0.0.0.0", "::", "*"}
 _REPLY_GRACE = 5.0
 # longest single blocking recv; the deadline is re-checked after each
 _MAX_SLICE = 1.0
+_CLIENT_POLL = 0.02  # how often other_clients looks at the server's connections
 
 
 class TCPStore:
@@ -106,12 +109,11 @@ class TCPStore:
     def is_server(self) -> bool:
         return self._server is not None
 
-    def clients(self) -> int:
-        """How many client connections the server this store hosts has open, this one
-        included (hosting rank only)."""
-        if self._server is None:
-            raise ValueError("TCPStore.clients: only the store that hosts the server knows")
-        return self._server.connections
+    @property
+    def stalled(self) -> bool:
+        """True when a call got no reply by its deadline and nothing has come from the store
+        since (it is unreachable, stopped or overwhelmed): leaving a group then waits no more."""
+        return self._conn.stalled
 
     @property
     def max_value_bytes(self) -> int:
@@ -159,12 +161,14 @@ class TCPStore:
         args = [_key(key), b"%d" % amount]
         return int(self._call(Op.ADD, args, None, f"add({key!r})")[0])
 
-    def compare_set(self, key: str, expected: bytes | str, desired: bytes | str) -> bytes:
+    def compare_set(self, key: str, expected: bytes | str, desired: bytes | str, *,
+                    timeout: float | None = None) -> bytes:
         """Atomically set ``desired`` if ``key`` holds ``expected`` (or is unset and
-        ``expected`` is empty); returns the value ``key`` holds afterwards."""
+        ``expected`` is empty); returns the value ``key`` holds afterwards. ``timeout`` bounds
+        the round trip."""
         what = f"compare_set({key!r})"
         args = [_key(key), self._value(expected, what), self._value(desired, what)]
-        return self._call(Op.COMPARE_SET, args, None, what)[0]
+        return self._call(Op.COMPARE_SET, args, timeout, what)[0]
 
     def delete_key(self, key: str) -> bool:
         """Remove ``key``; True if it was there."""
@@ -228,6 +232,26 @@ class TCPStore:
         """How many keys the store holds (all namespaces)."""
         return int(self._call(Op.NUM_KEYS, [], None, "num_keys")[0])
 
+    def other_clients(self, timeout: float, *, what: str = "") -> list[str]:
+        """On the hosting process: wait until no other process is connected (each has closed
+        its connections, or ended), at most ``timeout`` seconds; return the addresses of those
+        still connected then. A process that hosts a job's store calls it before it ends, so
+        that ranks still at work do not lose the store. ``what`` names the wait in its
+        long-wait lines (``gpucoll.progress``)."""
+        if self._server is None:
+            raise ValueError("TCPStore.other_clients: only the process hosting the store "
+                             "knows its clients (is_server=True)")
+        _check_timeout(timeout, "timeout")
+        deadline = time.monotonic() + timeout
+        notice = Waiting(what or f"the store at port {self.port}", timeout)
+        while True:
+            mine = {conn.local for conn in list(_CONNECTIONS) if not conn.inherited}
+            others = [peer for peer in self._server.clients() if peer not in mine]
+            if not others or time.monotonic() >= deadline:
+                return others
+            notice.tick(functools.partial(_others_text, len(others)))
+            time.sleep(min(_CLIENT_POLL, max(deadline - time.monotonic(), 0.0)))
+
     def close(self) -> None:
         """Close the connection once the server has applied this store's sets and, on the
         hosting rank, stop the server. Idempotent."""
@@ -236,7 +260,7 @@ class TCPStore:
         self._closed = True
         if self._conn.inherited:
             return  # a forked child's copy: the connection and server are the parent's
-        if self._conn.unconfirmed:
+        if self._conn.unconfirmed and not self._conn.stalled:
             # a round trip, so the sets just sent are applied before the connection goes
             try:
                 self._call(Op.NUM_KEYS, [], min(self.timeout, 5.0), "close")
@@ -285,6 +309,10 @@ class TCPStore:
             raise StoreError(f"{what}: store at {self._conn.address} refused: "
                              f"{reply[0].decode('utf-8', 'replace') if reply else '?'}")
         return reply
+
+
+def _others_text(count: int) -> str:
+    return f"for {count} other process{'es' if count > 1 else ''} to leave the store it hosts"
 
 
 def _check_timeout(timeout: float, name: str) -> None:
@@ -346,6 +374,9 @@ class _Slot:
         self.reply: tuple[int, list[bytes]] | None = None  # status, arguments
 
 
+_CONNECTIONS: weakref.WeakSet = weakref.WeakSet()  # this process's, for other_clients
+
+
 class Connection:
     """Connects (retrying until ``timeout`` while the server is not up yet) and says hello."""
 
@@ -354,6 +385,8 @@ class Connection:
         deadline = time.monotonic() + timeout
         # A blocking socket with kernel-side timeouts: no poll() before every send and recv.
         self._sock = _connect(host, port, timeout, deadline)
+        local = self._sock.getsockname()
+        self.local = f"{local[0]}:{local[1]}"  # as the server names this client
         _set_timeo(self._sock, socket.SO_SNDTIMEO, min(max(timeout, 1.0), 60.0))
         self._rcv_timeo = 0.0
         # replies come from the server we chose: any size a frame can carry
@@ -368,7 +401,11 @@ class Connection:
         self._error: str | None = None
         self._pid = os.getpid()
         drop_when_forked(self)
+        _CONNECTIONS.add(self)
         self.unconfirmed = False  # a fire-and-forget request was sent since the last reply
+        # a request got no reply by its deadline, and nothing came since: the store is
+        # unreachable or stopped, so leaving a group sends what it must and waits for nothing
+        self.stalled = False
         hello = [VERSION, (token or "").encode()]
         try:
             status, args = self.request(Op.HELLO, hello, deadline, "connect")
@@ -496,6 +533,7 @@ class Connection:
                 while slot.reply is None and self._reading and self._error is None:
                     remaining = deadline - time.monotonic()
                     if remaining <= 0:
+                        self.stalled = True
                         raise StoreTimeout(f"{what}: no reply from store at {self.address} "
                                            f"by the deadline")
                     self._cond.wait(remaining)
@@ -519,6 +557,7 @@ class Connection:
             """Before each receive: the deadline check and the receive's kernel timeout."""
             remaining = deadline - time.monotonic()
             if remaining <= 0:
+                self.stalled = True
                 raise StoreTimeout(f"{what}: no reply from store at {self.address} "
                                    f"by the deadline")
             want = min(remaining, _MAX_SLICE)
@@ -546,6 +585,7 @@ class Connection:
 
     def _deliver(self, frame: tuple[int, int, list[bytes]], mine: _Slot, what: str) -> None:
         code, rid, args = frame
+        self.stalled = False
         if self._pending.get(rid) is mine:
             mine.reply = (code, args)  # our own reply: nobody else to wake
             return
@@ -700,8 +740,9 @@ class PrefixStore:
     def add(self, key: str, amount: int) -> int:
         return self.store.add(self._k(key), amount)
 
-    def compare_set(self, key: str, expected: bytes | str, desired: bytes | str) -> bytes:
-        return self.store.compare_set(self._k(key), expected, desired)
+    def compare_set(self, key: str, expected: bytes | str, desired: bytes | str, *,
+                    timeout: float | None = None) -> bytes:
+        return self.store.compare_set(self._k(key), expected, desired, timeout=timeout)
 
     def wait(self, keys: Sequence[str], timeout: float | None = None) -> None:
         self.store.wait(self._ks(keys, "wait"), timeout=timeout)
@@ -751,6 +792,7 @@ class PrefixStore:
 
 POLL = 0.5  # longest wait in the store between two looks at which ranks are gone
 LEAVE_TIMEOUT = 5.0  # what leaving a group may take at most: the store may be unresponsive
+LEAVE_PROBE = 0.5  # the first reply leaving waits for; a store slower than that is stalled
 _GONE = "gone/{}"
 
 
@@ -789,8 +831,7 @@ class Liveness:
         Idempotent; never raises (the store may be gone already)."""
         if not self._left:
             self._left = True
-            _mark_gone(self.store, self.rank, time.monotonic() + LEAVE_TIMEOUT,
-                       _gone_value(aborted, culprit))
+            _mark_gone(self.store, self.rank, _gone_value(aborted, culprit))
 
     def check(self, what: str, ranks: Sequence[int] | None = None) -> None:
         """Raise PeerFailure naming the ranks (of ``ranks``; by default all others) found gone,
@@ -949,12 +990,13 @@ def leave_group(store: Any, rank: int, size: int, aborted: str | None = None,
     whose failure it gave up for, as ``Liveness.leave``), and the rank that finds
     every rank gone that way deletes the whole namespace, so a group that closes leaves no keys
     behind. A group with a dead rank keeps its keys (the next start-up in the store skips and
-    removes them). Never raises; takes at most ``LEAVE_TIMEOUT``."""
-    deadline = time.monotonic() + LEAVE_TIMEOUT
-    if not _mark_gone(store, rank, deadline, _gone_value(aborted, culprit)):
+    removes them). Never raises; takes at most ``LEAVE_TIMEOUT``, and nothing on a store found
+    stalled (every communicator's leave after the first on an unreachable store)."""
+    if not _mark_gone(store, rank, _gone_value(aborted, culprit)) or _stalled(store):
         return
+    deadline = time.monotonic() + LEAVE_TIMEOUT
     try:
-        states = store.peek([_GONE.format(r) for r in range(size)], timeout=_left(deadline))
+        states = store.peek([_GONE.format(r) for r in range(size)], timeout=LEAVE_PROBE)
         if all(s is not None and (s == b"closed" or aborted_reason(s.decode("utf-8", "replace"))
                                   is not None) for s in states):
             store.delete_prefix("", timeout=_left(deadline))
@@ -962,16 +1004,36 @@ def leave_group(store: Any, rank: int, size: int, aborted: str | None = None,
         pass
 
 
-def _mark_gone(store: Any, rank: int, deadline: float, how: bytes = b"closed") -> bool:
+def _mark_gone(store: Any, rank: int, how: bytes = b"closed") -> bool:
     """Withdraw ``rank``'s will and set its ``gone/`` key to ``how`` (closed, or aborted and
-    why); False if the store failed."""
+    why), without waiting for the store (on a TCPStore: the server applies both in order);
+    False if the store failed."""
     key = _GONE.format(rank)
     try:
-        store.clear_will(key, timeout=_left(deadline))
+        base, prefixed = _unwrap(store, key)
+        if isinstance(base, TCPStore):
+            base._conn.post(encode(Op.CLEAR_WILL, NO_REPLY, [_key(prefixed)]), "clear_will")
+        else:  # a user's store class: its own round trip
+            store.clear_will(key, timeout=LEAVE_TIMEOUT)
         store.set(key, how)
         return True
     except (GpucollError, OSError):
         return False
+
+
+def _unwrap(store: Any, key: str) -> tuple[Any, str]:
+    """The store under ``store``'s PrefixStore wrappers, and ``key`` as it is named there."""
+    for _ in range(16):
+        if not isinstance(store, PrefixStore):
+            break
+        key = store._k(key)
+        store = store.store
+    return store, key
+
+
+def _stalled(store: Any) -> bool:
+    """Whether the TCPStore under ``store`` got no reply lately (``TCPStore.stalled``)."""
+    return bool(getattr(_unwrap(store, "")[0], "stalled", False))
 
 
 _ABORTED = "aborted: "  # the start of the ``gone/`` value of a rank that aborted, then why

@@ -286,11 +286,6 @@ class StoreServer:
         drop_when_forked(self)
         self._thread.start()
 
-    @property
-    def connections(self) -> int:
-        """Client connections open now (this process's own included)."""
-        return len(self._conns)
-
     def close(self, timeout: float = 10.0) -> None:
         """Stop the loop, drop every connection and join the thread."""
         if self._stop:
@@ -302,6 +297,12 @@ class StoreServer:
             pass
         self._thread.join(timeout)
         self._wake_w.close()
+
+    def clients(self) -> list[str]:
+        """The addresses (``host:port``) of the clients connected now; read from another
+        thread, so a connection made or dropped meanwhile may or may not be in it."""
+        return [conn.peer for conn in list(self._conns.values())
+                if conn.authed and not conn.closed]
 
     def drop_inherited(self) -> None:
         """In a forked child (where the loop's thread does not exist): close this process's
