@@ -63,7 +63,10 @@ def wait_for(path: pathlib.Path, text: str, count: int, timeout: float) -> None:
 
 def test_launchers_cut_apart_each_end_within_seconds_naming_the_other_node(tmp_path):
     script = write_script(tmp_path, ALL_REDUCING)
-    env = dict(os.environ, GPUCOLL_STORE_TOKEN="shared-secret-for-this-test", TMPDIR=str(tmp_path))
+    # the ranks name the lost host at their link timeout (5 s here, 15 by default); each
+    # launcher must then end within seconds of its ranks
+    env = dict(os.environ, GPUCOLL_STORE_TOKEN="shared-secret-for-this-test", TMPDIR=str(tmp_path),
+               GPUCOLL_LINK_TIMEOUT="5")
     with multinode.Hosts() as hosts:
         port = multinode.free_port()
         outs = [tmp_path / f"node{k}.out" for k in range(2)]
