@@ -88,6 +88,30 @@ class Runtime(Protocol):
 
     def stall(self, stream: int) -> Callable[[], None]: ...
 
+    def thread_local_capture(self) -> bool: ...
+
+
+# cudaError_t codes (CUDA runtime API) of a call refused because a stream is capturing a graph:
+# cudaErrorStreamCaptureUnsupported (900) ... cudaErrorStreamCaptureWrongThread (908)
+CAPTURE_ERRORS = frozenset(range(900, 909))
+
+
+def refused_by_capture(exc: BaseException) -> bool:
+    """Whether a CUDA call failed only because a stream is capturing a graph (not because the
+    device failed): CuPy's ``CUDARuntimeError`` carries the ``cudaError_t`` as ``status``."""
+    return getattr(exc, "status", None) in CAPTURE_ERRORS
+
+
+def event_done(event: Any) -> bool:
+    """Whether ``event``'s work has completed; False also when CUDA refused the query because a
+    graph is being captured (the work may still run). A device failure raises."""
+    try:
+        return bool(event.done)
+    except Exception as exc:
+        if refused_by_capture(exc):
+            return False
+        raise
+
 
 def stream_handle(stream: Any, current: int) -> int:
     """The cudaStream_t int of ``stream``: None -> ``current``; an int, an object with ``.ptr``
@@ -143,9 +167,11 @@ def hold(event: Any, *objects: Any) -> None:
 
 
 def _done(event: Any) -> bool:
+    """Whether what ``event`` guards may be let go: its work completed, or the device failed
+    (nothing it queued will run any more). A query refused by a graph capture is not done."""
     try:
-        return bool(event.done)
-    except Exception:  # noqa: BLE001 - a failed device: nothing it queued will run any more
+        return event_done(event)
+    except Exception:  # noqa: BLE001 - a failed device
         return True
 
 
@@ -327,6 +353,22 @@ class CupyRuntime:
             side.synchronize()
 
         return release
+
+    def thread_local_capture(self) -> bool:
+        """Put the calling thread in ``cudaStreamCaptureModeThreadLocal``, so that its event
+        queries neither fail nor invalidate a graph another thread captures in the default
+        global mode (CUDA runtime API, cudaThreadExchangeStreamCaptureMode: in global mode a
+        thread is "prohibited from potentially unsafe API calls" while any other thread
+        captures in global mode; in thread-local mode only its own captures count). The
+        driver's call, so that it holds whichever CUDA runtime the process loaded. False
+        where cuda-bindings is missing."""
+        try:
+            from cuda.bindings import driver
+        except ImportError:
+            return False
+        mode = driver.CUstreamCaptureMode.CU_STREAM_CAPTURE_MODE_THREAD_LOCAL
+        err, _previous = driver.cuThreadExchangeStreamCaptureMode(mode)
+        return err == driver.CUresult.CUDA_SUCCESS
 
 
 def fold_slots(ufunc: Any, slots: Any, out: Any) -> None:

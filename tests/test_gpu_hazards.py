@@ -7,6 +7,7 @@ from __future__ import annotations
 
 import re
 import threading
+import time
 
 import hazard_ranks
 import numpy as np
@@ -540,3 +541,54 @@ def test_a_held_buffer_is_let_go_once_its_event_completes_though_an_earlier_one_
     finally:
         stuck.done = pending.done = True
         cuda.hold(done)
+
+
+# ---- CUDA graphs captured by other threads in global mode ------------------------------------
+
+def test_the_watchdog_polls_without_invalidating_a_graph_another_thread_captures(rt, solo):
+    s = rt.new_stream()
+    release = rt.stall(s)  # the call stays unfinished: the watchdog keeps querying its event
+    work = solo.all_reduce(dev(rt, np.ones(2, np.float32)), stream=s, async_op=True)
+    with rt.capturing(rt.new_stream()) as capture:  # global mode: CUDA's and torch's default
+        time.sleep(0.3)
+    release()
+    work.synchronize(timeout=10)
+    assert capture.invalidated is None
+    assert solo._backend.failure() is None
+
+
+def test_a_held_buffer_stays_while_a_capture_refuses_the_query_of_its_event(rt):
+    import gc
+    import weakref
+
+    from gpucoll import cuda
+
+    class Buffer:
+        pass
+
+    s = rt.new_stream()
+    release = rt.stall(s)
+    unfinished, buffer = rt.record_event(s), Buffer()
+    kept = weakref.ref(buffer)
+    cuda.hold(unfinished, buffer)
+    del buffer
+    capturing, end = threading.Event(), threading.Event()
+
+    def capture() -> None:
+        with rt.capturing(rt.new_stream()):
+            capturing.set()
+            end.wait(10)
+
+    other = threading.Thread(target=capture)
+    other.start()
+    capturing.wait(10)
+    try:
+        cuda.hold(unfinished)  # this thread's query is refused: the event is not done
+        gc.collect()
+        assert kept() is not None
+    finally:
+        end.set()
+        other.join()
+        release()
+        unfinished.synchronize()
+        cuda.hold(rt.record_event(s))

@@ -721,7 +721,7 @@ class NcclBackend(Backend):
 
     def expire(self, pending: Pending) -> None:
         """``pending`` missed its deadline: fail the backend, unless it failed already."""
-        if self._nc.failure is None and not pending.event.done:
+        if self._nc.failure is None and not cuda.event_done(pending.event):
             self._fail(self._watchdog.expired(pending))
 
     def abort(self, reason: str | GpucollError) -> None:
@@ -896,6 +896,12 @@ class Watchdog:
             self._thread.join(timeout=5)
 
     def _run(self) -> None:
+        # Its event queries must not disturb a graph that another thread captures in CUDA's
+        # default global mode, where any thread's query fails and invalidates the capture
+        try:
+            cuda.runtime().thread_local_capture()
+        except Exception:  # noqa: BLE001 - no CUDA here: a query refused by capture is not done
+            pass
         delay = 0.0005
         while True:
             with self._cond:
@@ -919,7 +925,8 @@ class Watchdog:
                 self._on_fail(failure)
                 continue
             with self._cond:
-                if self._pending and self._pending[0] is head and not head.event.done:
+                if self._pending and self._pending[0] is head and not cuda.event_done(
+                        head.event):
                     self._cond.wait(delay)
                     delay = min(delay * 2, POLL_MAX)
                     continue
@@ -939,14 +946,14 @@ class Watchdog:
         one pass per wake-up, not one per call, keeps this thread off the callers' GIL."""
         pending = self._pending
         try:
-            while pending and pending[0].event.done:
+            while pending and cuda.event_done(pending[0].event):
                 pending.popleft()
         except Exception:  # noqa: BLE001 - _inspect reports it once that call is the head
             pass
 
     def _inspect(self, head: Pending) -> GpucollError | None:
         try:
-            if head.event.done:
+            if cuda.event_done(head.event):  # a query refused by a capture: not done yet
                 return None
             self._check(head.opname)
         except GpucollError as exc:
@@ -1016,7 +1023,7 @@ class EventWork(Work):
         self._pending = pending
 
     def is_completed(self) -> bool:
-        return self._backend.failure() is not None or bool(self._pending.event.done)
+        return self._backend.failure() is not None or cuda.event_done(self._pending.event)
 
     def _order(self) -> None:
         self._backend.raise_failure()
