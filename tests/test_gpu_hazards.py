@@ -317,17 +317,29 @@ def test_split_waits_for_this_ranks_outstanding_work_before_nccl_splits(rt, solo
 
 def test_split_waits_for_outstanding_work_on_every_stream_not_only_the_last(rt, solo,
                                                                            monkeypatch):
+    """NCCL runs one communicator's kernels in issue order whatever their streams, but a call's
+    own work after NCCL's (here the local reduction of a bitwise all_reduce) can still be
+    outstanding on its stream when a later call on another stream is done."""
     a, b = rt.new_stream(), rt.new_stream()
-    release = rt.stall(a)
-    first = solo.all_reduce(dev(rt, np.ones(8, np.float32)), async_op=True, stream=a)
+    releases, reduce_slots = [], rt.reduce_slots
+
+    def held(*args, **kwargs):  # the reduction waits behind a stall of its stream
+        releases.append(rt.stall(args[-1]))
+        reduce_slots(*args, **kwargs)
+
+    monkeypatch.setattr(rt, "reduce_slots", held)
+    first = solo.all_reduce(dev(rt, np.ones(8, np.int32)), op="band", async_op=True, stream=a)
+    monkeypatch.setattr(rt, "reduce_slots", reduce_slots)
     last = solo.all_reduce(dev(rt, np.ones(8, np.float32)), async_op=True, stream=b)
-    last.synchronize()  # done, while the first call still waits on its stream
-    _released_when_waited_on(monkeypatch, [(first, release)])
+    last.synchronize()  # done, while the first call's reduction still waits on its stream
+    assert not first.is_completed()
+    _released_when_waited_on(monkeypatch, [(first, releases[0])])
     try:
         sub = solo.split(0)
+        drained = first.is_completed()
     finally:
-        release()
-    assert first.is_completed()
+        releases[0]()
+    assert drained
     sub.close()
     assert rt.misuse == []
 
@@ -592,3 +604,15 @@ def test_a_held_buffer_stays_while_a_capture_refuses_the_query_of_its_event(rt):
         release()
         unfinished.synchronize()
         cuda.hold(rt.record_event(s))
+
+
+# ---- one communicator's calls run in issue order, whatever their streams ---------------------
+
+def test_a_collective_after_a_receive_posted_before_its_send_completes(store_addr):
+    assert spawn(hazard_ranks.receive_then_collective, 2, store_addr, True,
+                 timeout=60) == ["done", "done"]
+
+
+def test_a_collective_held_back_by_an_unmatched_receive_times_out_on_every_rank(store_addr):
+    got = spawn(hazard_ranks.receive_then_collective, 2, store_addr, False, timeout=60)
+    assert all(g.startswith("CollectiveTimeout: all_reduce on rank") for g in got), got

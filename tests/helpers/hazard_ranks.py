@@ -244,3 +244,34 @@ def avg_values(rank: int, n: int, addr: str, backend: str, dtype_name: str) -> l
         got = x.get()
         check_reduced(got, "avg", parts, f"nccl avg {dtype_name}")
         return got.astype(np.float64).tolist()
+
+
+def receive_then_collective(rank: int, n: int, addr: str, matched: bool) -> str:
+    """Rank 0 posts an irecv on a stream of its own, then an all_reduce on the default stream.
+    Rank 1 sends before its all_reduce (``matched``) or after it. NCCL runs one communicator's
+    calls in issue order whatever their streams, so rank 0's all_reduce waits for its receive:
+    matched, both calls complete; unmatched, every rank's all_reduce misses its 2 s deadline
+    (and nothing hangs). Returns how each rank's all_reduce ended."""
+    with emulated(addr, rank, n) as (rt, comm):
+        x, box = FakeDeviceArray(np.ones(4, np.float32), rt), FakeDeviceArray(np.zeros(4), rt)
+        comm.barrier()  # connected: the calls below wait on the device, not on the host
+        if rank == 0:
+            comm.send(box, 1)
+        else:
+            comm.recv(box, 0)
+        if rank == 0:
+            side = rt.new_stream()
+            received = comm.irecv(box, 1, stream=side, timeout=2)
+            reduced = comm.all_reduce(x, async_op=True, timeout=2)
+        elif matched:
+            sent = comm.isend(box, 0, timeout=2)
+            reduced = comm.all_reduce(x, async_op=True, timeout=2)
+        else:
+            reduced = comm.all_reduce(x, async_op=True, timeout=2)
+            sent = comm.isend(box, 0, timeout=2)
+        try:
+            reduced.synchronize()
+            (received if rank == 0 else sent).synchronize()
+        except CollectiveTimeout as exc:
+            return f"CollectiveTimeout: {exc}"
+        return "done"

@@ -299,6 +299,7 @@ class Communicator:
         self._coll_seq = self._split_seq = self._shrink_seq = 0
         self._p2p: dict[tuple[str, int], int] = collections.defaultdict(int)
         self._outstanding = 0
+        self._last_kernel: threading.Event | None = None  # the previous kernel's end
         self._count_lock = threading.Lock()
         self.calls: list[tuple[str, dict]] = []
 
@@ -656,12 +657,22 @@ class Communicator:
         self._meanwhile("connect", connect)
 
     def _enqueue(self, ops: list[Op]) -> None:
+        """Queue the kernel of ``ops`` on their stream, after this communicator's previous
+        kernel, whatever stream that one was on: NCCL launches every kernel of a communicator
+        after the one before it and before the one after it, through the communicator's
+        internal ``deviceStream`` (NVIDIA/nccl src/enqueue.cc, ncclLaunchPrepare: "Launch
+        kernel, depends on all of {deviceStream, hostStream, userStream[i]...}" and
+        "{deviceStream, userStream[i]...} depend on kernel"). So a receive whose peer has not
+        sent holds back every later call of the communicator, on any stream."""
         streams = {id(op.stream): op.stream for op in ops}
         first, others = ops[0].stream, [s for k, s in streams.items() if k != id(ops[0].stream)]
         done = threading.Event()
+        before, self._last_kernel = self._last_kernel, done
 
         def run() -> None:
             try:
+                if before is not None:
+                    self._after(before, ops)
                 self._execute(ops)
             finally:
                 with self._count_lock:
@@ -671,6 +682,19 @@ class Communicator:
         first.submit(run)
         for s in others:  # a group over several streams: each waits for the whole group
             s.submit(lambda: done.wait(self._rt.hang_timeout))
+
+    def _after(self, before: threading.Event, ops: list[Op]) -> None:
+        """Wait (on the stream) until the communicator's previous kernel has ended; one that
+        never does is what a GPU would hang on."""
+        deadline = time.monotonic() + self._rt.hang_timeout
+        while not before.wait(0.05):
+            if self._aborted.is_set():
+                return  # terminated: this kernel ends too (``_execute`` sees the abort)
+            if time.monotonic() > deadline:
+                names = ", ".join(op.name for op in ops)
+                self._rt.report(f"rank {self._rank}: NCCL would hang: {names} waits behind an "
+                                "earlier call of the same communicator that never completes")
+                return
 
     # -- execution, on the stream
     def _execute(self, ops: list[Op]) -> None:
