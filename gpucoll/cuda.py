@@ -61,6 +61,8 @@ class Runtime(Protocol):
 
     def is_capturing(self, stream: int) -> bool: ...
 
+    def stream_device(self, stream: int) -> int | None: ...
+
     def record_event(self, stream: int) -> Event: ...
 
     def wait_event(self, stream: int, event: Event) -> None: ...
@@ -256,6 +258,20 @@ class CupyRuntime:
 
     def is_capturing(self, stream: int) -> bool:
         return bool(_runtime().streamIsCapturing(stream))
+
+    def stream_device(self, stream: int) -> int | None:
+        """The device of stream handle ``stream`` (``cuStreamGetDevice``, CUDA 12.8 drivers
+        on); None for a default stream (the current device's) or where the driver cannot
+        say."""
+        if stream in (0, STREAM_LEGACY, STREAM_PER_THREAD):
+            return None
+        try:
+            from cuda.bindings import driver
+
+            err, device = driver.cuStreamGetDevice(driver.CUstream(stream))
+        except Exception:  # noqa: BLE001 - no cuda-bindings, or a binding without the call
+            return None
+        return int(device) if err == driver.CUresult.CUDA_SUCCESS else None
 
     def record_event(self, stream: int) -> Event:
         import cupy

@@ -145,6 +145,18 @@ def test_a_call_that_fails_restores_the_callers_device_and_records_nothing(rt, s
     assert backend._last is last and backend._watchdog.outstanding() == []
 
 
+def test_a_stream_of_another_device_is_refused_before_nccl_and_the_communicator_stays_usable(
+        rt, solo):
+    with rt.using_device(1):
+        elsewhere = rt.new_stream()
+    x = dev(rt, np.ones(2, np.float32))
+    with pytest.raises(ValueError, match="stream=0x[0-9a-f]+ is a stream of device 1, but rank 0's "
+                                         "communicator is on device 0"):
+        solo.all_reduce(x, stream=elsewhere)
+    assert solo._backend._nc.comm.calls == []
+    np.testing.assert_array_equal(solo.all_reduce(x).get(), [1, 1])
+
+
 def test_a_call_from_another_thread_is_complete_only_when_its_work_is(rt, store_addr):
     comm = create("nccl", rank=0, world_size=1, store=store_addr, timeout=10, device=1)
     try:

@@ -184,6 +184,22 @@ def test_emulation_rejects_unknown_streams_and_group_end_without_start(rt, comm)
         rt.nccl().group_end()
 
 
+def test_emulation_keeps_a_refused_calls_error_on_a_non_blocking_communicator(rt):
+    nc = rt.nccl()
+    comm = nc.Communicator.init(1, 0, nc.get_unique_id(), config=nc.NCCLConfig(blocking=False))
+    while comm.get_async_error() == 7:  # ncclInProgress: init runs in the background
+        time.sleep(0.001)
+    arr, b = buf(rt, 4)
+    with pytest.raises(NCCLError):
+        calls(rt, comm).allreduce(b, b, 5, stream=0)  # op 5 is no ncclRedOp_t
+    assert comm.get_async_error() == INVALID_ARGUMENT
+    with pytest.raises(NCCLError) as info:
+        calls(rt, comm).allreduce(b, b, 0, stream=0)  # a valid call, refused from now on
+    assert info.value.status == INVALID_ARGUMENT
+    rt.misuse.clear()
+    comm.abort()
+
+
 def test_emulation_rejects_overlap_that_is_not_the_in_place_layout(rt, comm):
     arr, _ = buf(rt, 8)
     with pytest.raises(NCCLError):

@@ -375,6 +375,15 @@ class CudaEmulation:
             raise RuntimeError(f"cudaErrorInvalidResourceHandle: unknown stream {handle:#x}")
         return s
 
+    def stream_device(self, stream: int) -> int | None:
+        """The device a stream belongs to; None for a default handle (the current device's)
+        or an unknown one."""
+        if stream in DEFAULT_STREAMS:
+            return None
+        with self._lock:
+            s = self._streams.get((-1, stream))
+        return None if s is None else s.device
+
     def is_capturing(self, stream: int) -> bool:
         return stream in self._captures
 

@@ -217,7 +217,18 @@ class EmulatedBindings:
         args = {k: _c_int(v, k) if k in ("dtype", "op", "root", "peer") else _c_size(v, k)
                 for k, v in args.items()}
         with comm._api(name):
-            comm._submit(Op(comm, name, stream=comm._stream(stream), **args))
+            try:
+                comm._submit(Op(comm, name, stream=comm._stream(stream), **args))
+            except NCCLError as exc:
+                # On a non-blocking communicator a refused call is also the communicator's
+                # asynchronous error from then on, and NCCL refuses every later call: NVIDIA/
+                # nccl src/enqueue.cc, ncclEnqueueCheck's "fail:" path ("if (info->comm &&
+                # !info->comm->config.blocking) (void) ncclCommSetAsyncError(info->comm,
+                # ret)"), and init.cc's ncclCommEnsureReady, which fails every call while
+                # the asynchronous error is set
+                if not comm._blocking:
+                    comm._state = exc.status
+                raise
 
 
 class Op:

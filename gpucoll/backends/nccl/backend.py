@@ -256,6 +256,13 @@ class NcclBackend(Backend):
         s = current if stream is None else rt.stream_handle(stream)
         self.refuse_capture(opname, s)
         producers = [] if same_stream(current, s) else [current]
+        if producers:  # NCCL would fail on it, and a failed NCCL call ends the communicator
+            where = rt.stream_device(s)
+            if where is not None and where != self.device:
+                raise ValueError(
+                    f"{opname}: stream={s:#x} is a stream of device {where}, but rank "
+                    f"{self.rank}'s communicator is on device {self.device}; pass a stream of "
+                    f"device {self.device}")
         for ref in refs:
             if ref is None:
                 continue

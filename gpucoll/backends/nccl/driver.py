@@ -398,7 +398,12 @@ class Driver:
 
     def _refused(self, exc: BaseException, opname: str) -> GpucollError:
         """An NCCL call raised at once (lock held): nothing was enqueued. An error of NCCL's
-        own ends the communicator; nccl4py's argument check (no status) does not."""
+        own ends the communicator, ncclInvalidArgument included: on a non-blocking
+        communicator NCCL keeps a refused call's error as the communicator's asynchronous
+        error and refuses every later call (src/enqueue.cc, ncclEnqueueCheck), which is why
+        the backend checks the caller's arguments (buffers' and streams' devices, counts,
+        datatypes) before NCCL sees them. nccl4py's own argument check (no status) leaves
+        the communicator as it was."""
         err = translate(exc, opname, self.rank, self.size)
         if getattr(exc, "status", None) is None:
             return err
