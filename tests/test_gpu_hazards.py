@@ -628,3 +628,11 @@ def test_a_collective_after_a_receive_posted_before_its_send_completes(store_add
 def test_a_collective_held_back_by_an_unmatched_receive_times_out_on_every_rank(store_addr):
     got = spawn(hazard_ranks.receive_then_collective, 2, store_addr, False, timeout=60)
     assert all(g.startswith("CollectiveTimeout: all_reduce on rank") for g in got), got
+
+
+def test_a_rank_whose_call_timed_out_is_named_to_its_live_peers_at_once(store_addr):
+    said = spawn(hazard_ranks.stuck_peer_of_a_timed_out_rank, 2, store_addr, timeout=60)[1]
+    seconds, _, text = said.partition(" s: ")
+    assert float(seconds) < 5, said
+    assert "rank 0's NCCL communicator failed: all_reduce on rank 0 of 2 did not complete " \
+           "within 1 s" in text, said

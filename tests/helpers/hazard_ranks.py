@@ -275,3 +275,39 @@ def receive_then_collective(rank: int, n: int, addr: str, matched: bool) -> str:
         except CollectiveTimeout as exc:
             return f"CollectiveTimeout: {exc}"
         return "done"
+
+
+def stuck_peer_of_a_timed_out_rank(rank: int, n: int, addr: str) -> str:
+    """Rank 0's all_reduce misses its 1 s deadline while rank 1, alive, is busy elsewhere; then
+    rank 1 sends to rank 0 with a 15 s deadline. Rank 0 published its failure in the store, so
+    rank 1 learns it at once: a PeerFailure naming rank 0 and why, long before 15 s. Returns,
+    on rank 1, the seconds it took and the error's text."""
+    import time
+
+    with emulated(addr, rank, n) as (rt, comm):
+        store = _store(addr)
+        try:
+            x = FakeDeviceArray(np.ones(4, np.float32), rt)
+            comm.barrier()
+            if rank == 0:  # connect the pair, so that the send below waits on the device
+                comm.send(x, 1)
+            else:
+                comm.recv(x, 0)
+            if rank == 0:
+                try:
+                    comm.all_reduce(x, async_op=True, timeout=1.0).synchronize()
+                except CollectiveTimeout:
+                    store.set("test/zero-failed", b"1")
+                store.wait(["test/one-done"], timeout=30)
+                return ""
+            store.wait(["test/zero-failed"], timeout=30)
+            started = time.monotonic()
+            try:
+                comm.isend(x, 0, timeout=15).synchronize()
+            except PeerFailure as exc:
+                return f"{time.monotonic() - started:.1f} s: {exc}"
+            finally:
+                store.set("test/one-done", b"1")
+            return "the send completed"
+        finally:
+            store.close()

@@ -71,6 +71,7 @@ from gpucoll.backends.nccl.driver import (
     SUCCESS,
     Buf,
     Driver,
+    failed_peer,
     failure,
     forced_blocking,
     reduce_plan,
@@ -720,11 +721,16 @@ class NcclBackend(Backend):
             raise failure(status, opname, self.rank, self.size)
 
     def _fail(self, exc: GpucollError) -> None:
-        """Record the first failure and abort the NCCL communicator (between calls)."""
+        """Record the first failure and abort the NCCL communicator (between calls). A
+        failure found here (a timeout, an NCCL error), not learnt from a peer, is published in
+        the store, so that peers waiting for this rank fail at once, naming it and why."""
         pending = self._watchdog.clear()
+        first = self._nc.failure is None
         self._nc.fail(exc)
         for p in pending:  # an aborted kernel may still be winding down
             cuda.hold(p.event, p.keep)
+        if first and not isinstance(exc, PeerFailure) and self._nc.liveness is not None:
+            self._nc.liveness.failed(str(exc))
 
     def expire(self, pending: Pending) -> None:
         """``pending`` missed its deadline: fail the backend, unless it failed already."""
@@ -975,6 +981,9 @@ class Watchdog:
                         if how != "closed" and r != self.rank]
                 if died:
                     self._liveness.check(head.opname, died)
+                failed = failed_peer(self._liveness, head.opname, self.rank, self.size)
+                if failed is not None:  # a live peer whose communicator failed
+                    return failed
             except PeerFailure as exc:
                 return exc
             except GpucollError:

@@ -91,6 +91,17 @@ def failure(status: int | None, opname: str, rank: int, size: int,
     return NcclFailure(message, status)
 
 
+def failed_peer(liveness: Any, opname: str, rank: int, size: int) -> PeerFailure | None:
+    """A PeerFailure for the first peer that said in the store that its communicator
+    failed (``Liveness.failed``: alive, but it will not take part any more), or None."""
+    failed = liveness.failures()
+    if not failed:
+        return None
+    r = min(failed)
+    return PeerFailure(f"{opname} on rank {rank} of {size}: rank {r}'s NCCL communicator "
+                       f"failed: {failed[r]}", peer=r)
+
+
 def translate(exc: BaseException, opname: str, rank: int, size: int) -> GpucollError:
     """The gpucoll error for an exception of nccl4py (``NCCLError`` carries ``status``;
     ``NcclInvalid``, its own argument check, has none)."""
@@ -225,7 +236,15 @@ class Driver:
         which a revoked communicator still serves; a failure then aborts (frees) it, since a
         communicator that never formed, or is closing, has nothing left to shrink."""
         delay, look = 0.00005, time.monotonic() + LOOK_EVERY
-        end = functools.partial(self.fail, free=managing)
+
+        def end(exc: GpucollError) -> GpucollError:
+            first = self.failure is None
+            err = self.fail(exc, free=managing)
+            if first and not managing and not isinstance(exc, PeerFailure) and \
+                    self.liveness is not None:  # peers waiting for this rank learn it at once
+                self.liveness.failed(str(exc))
+            return err
+
         while True:
             status = self.async_error(opname, managing=managing)
             if status == SUCCESS:
@@ -237,6 +256,12 @@ class Driver:
                 look = now + LOOK_EVERY
                 try:
                     self.liveness.check(opname)
+                    # a live peer whose communicator failed (not while this one is made or
+                    # closed: a shrink's survivors include ranks whose old one failed)
+                    failed = None if managing else failed_peer(self.liveness, opname,
+                                                                self.rank, self.size)
+                    if failed is not None:
+                        raise failed
                 except PeerFailure as exc:
                     raise end(exc) from None
             if now > deadline:
