@@ -636,3 +636,21 @@ def test_a_rank_whose_call_timed_out_is_named_to_its_live_peers_at_once(store_ad
     assert float(seconds) < 5, said
     assert "rank 0's NCCL communicator failed: all_reduce on rank 0 of 2 did not complete " \
            "within 1 s" in text, said
+
+
+def test_close_stops_waiting_for_a_destroy_that_does_not_return_at_its_deadline(rt, store_addr):
+    comm = create("nccl", rank=0, world_size=1, store=store_addr, timeout=1)
+    handle, stuck = comm._backend._nc.comm, threading.Event()
+    destroy = handle.destroy
+
+    def hanging() -> None:  # the driver never returns from ncclCommDestroy
+        stuck.wait(20)
+        destroy()
+
+    handle.destroy = hanging
+    started = time.monotonic()
+    try:
+        comm.close()
+        assert time.monotonic() - started < 5
+    finally:
+        stuck.set()

@@ -40,6 +40,7 @@ from __future__ import annotations
 import copy
 import dataclasses
 import functools
+import logging
 import os
 import threading
 import time
@@ -59,6 +60,7 @@ RESULT_NAMES = {
 }
 SUCCESS, REMOTE_ERROR, IN_PROGRESS, TIMEOUT = 0, 6, 7, 8
 LOOK_EVERY = 0.5  # seconds between looks at the store for peers that are gone, while settling
+DESTROY_MIN_S = 0.5  # what close waits for ncclCommDestroy at least, past its deadline too
 QUIESCE_S = 5.0  # how long a revoked communicator may take to stop its work before a shrink
 SINCE = {"shrink": (2, 27), "revoke": (2, 28)}  # the NCCL release that added each call
 
@@ -384,8 +386,8 @@ class Driver:
 
     def close(self, deadline: float) -> None:
         """Finalize (collective: waits, within ``deadline``, for the peers' own close) and
-        destroy; abort instead after a failure, or when finalize is refused or does not
-        settle. Never raises."""
+        destroy (waited for until ``deadline``, at least ``DESTROY_MIN_S``); abort instead
+        after a failure, or when finalize is refused or does not settle. Never raises."""
         with self._lock:
             if self._freed:
                 return
@@ -406,13 +408,29 @@ class Driver:
             self.settle("close", deadline, max(deadline - time.monotonic(), 0.0), managing=True)
         except GpucollError:
             return
-        with self._lock:
-            if not self._freed:
-                self._freed = True
-                try:
-                    self.comm.destroy()
-                except Exception:  # noqa: BLE001 - closing never raises
-                    pass
+        with self._lock:  # from here on nothing else touches the handle
+            if self._freed:
+                return
+            self._freed = True
+        # ncclCommDestroy is a blocking call with no deadline of its own: it runs on a thread
+        # of its own, outside the lock, and close stops waiting for it at the deadline
+        done = threading.Event()
+
+        def destroy() -> None:
+            try:
+                self.comm.destroy()
+            except Exception:  # noqa: BLE001 - closing never raises
+                pass
+            finally:
+                done.set()
+
+        threading.Thread(target=destroy, daemon=True,
+                         name=f"gpucoll-nccl-destroy-{self.rank}").start()
+        if not done.wait(max(deadline - time.monotonic(), DESTROY_MIN_S)):
+            logging.getLogger("gpucoll").warning(
+                "rank %d of %d: NCCL's destroy of a finalized communicator did not return "
+                "by the close deadline; close returns, leaving it to finish in the background",
+                self.rank, self.size)
 
     def _usable(self, opname: str, managing: bool = False) -> None:
         """Raise (a copy of) the failure that ended this communicator, if any (lock held); a
