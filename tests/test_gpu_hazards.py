@@ -654,3 +654,9 @@ def test_close_stops_waiting_for_a_destroy_that_does_not_return_at_its_deadline(
         assert time.monotonic() - started < 5
     finally:
         stuck.set()
+
+
+def test_a_later_call_that_must_connect_another_algorithm_waits_for_it(store_addr):
+    for before, after, right in spawn(hazard_ranks.a_later_call_that_connects, 2, store_addr,
+                                      timeout=60):
+        assert before == [("coll", "tree")] and after == [("coll", "ring")] and right

@@ -200,6 +200,20 @@ def test_emulation_keeps_a_refused_calls_error_on_a_non_blocking_communicator(rt
     comm.abort()
 
 
+def test_emulation_launches_no_kernel_for_a_one_rank_collective(rt, comm):
+    """ncclLaunchOneRank: in place nothing at all, out of place one copy on the stream; no
+    kernel joins the communicator's queue, and nothing connects."""
+    src, a = buf(rt, 4)
+    dst, b = buf(rt, 4)
+    src[...] = np.arange(4)
+    release = rt.stall(0)
+    calls(rt, comm).allreduce(a, a, 0, stream=0)
+    calls(rt, comm).allreduce(a, b, 4, stream=0)  # ncclAvg of one rank: the values
+    assert comm._last_kernel is None and comm._connected == set() and comm._outstanding == 0
+    release()
+    np.testing.assert_array_equal(dst.get(), np.arange(4))
+
+
 def test_emulation_rejects_overlap_that_is_not_the_in_place_layout(rt, comm):
     arr, _ = buf(rt, 8)
     with pytest.raises(NCCLError):

@@ -311,3 +311,18 @@ def stuck_peer_of_a_timed_out_rank(rank: int, n: int, addr: str) -> str:
             return "the send completed"
         finally:
             store.close()
+
+
+def a_later_call_that_connects(rank: int, n: int, addr: str) -> list:
+    """After a barrier (a small all_reduce: one algorithm connected), a large all_reduce needs
+    another algorithm's connections: NCCL leaves the communicator in progress meanwhile, and
+    the call must wait for that (within its deadline) before anything else touches it.
+    Returns the channels connected, and whether the result is right."""
+    with emulated(addr, rank, n) as (rt, comm):
+        comm.barrier()
+        nccl = comm._backend._nc.comm
+        before = list(nccl.connections)
+        x = FakeDeviceArray(np.full(1 << 15, rank + 1, np.float32), rt)  # 128 KiB
+        comm.all_reduce(x)
+        comm.all_gather(x)  # the same algorithm: nothing new to connect
+        return [before, nccl.connections[len(before):], bool((x.get() == 3).all())]

@@ -15,7 +15,11 @@ the backend, and behaves as they say NCCL does:
   (``NCCLConfig(blocking=False)``) returns at once; ``get_async_error()`` says in progress until
   the work is done (forever, if a peer never comes), and any other call meanwhile is misuse.
 - Collectives run on their stream, later; each waits for its peers' data as a kernel would,
-  until ``abort`` ends it. ``avg`` on floating types is a premultiply by ``fl(1/n)``, then a sum.
+  until ``abort`` ends it. One communicator's kernels run in issue order whatever their
+  streams; a one-rank collective launches none (``_one_rank``); connections are made lazily
+  per algorithm, so a later call can leave a non-blocking communicator in progress
+  (``_algorithm``); a peer that aborts shows as ``ncclRemoteError`` only a while later, and
+  only where work waits for it (``_fetch``). ``avg`` on floating types is a premultiply by ``fl(1/n)``, then a sum.
 - ``abort`` frees the communicator: later calls of its methods raise ``NcclInvalid``, and a
   call of the bindings on its handle, or an abort while another thread is inside a call on
   it, is a use after free.
@@ -34,6 +38,7 @@ from __future__ import annotations
 
 import collections
 import contextlib
+import ctypes
 import hashlib
 import os
 import pickle
@@ -64,7 +69,9 @@ NCCL_OPS = {0: np.add, 1: np.multiply, 2: np.maximum, 3: np.minimum, 4: np.add}
 AVG = 4
 SUCCESS, UNHANDLED_CUDA_ERROR, INVALID_ARGUMENT, INVALID_USAGE, IN_PROGRESS = 0, 1, 4, 5, 7
 COLLECTIVES = ("allreduce", "reduce", "broadcast", "allgather", "reduce_scatter")
-MANAGING = ("shrink", "split")  # what a revoked communicator still serves (nccl.h)
+MANAGING = ("shrink", "split")
+TREE_MAX_BYTES = 64 << 10  # all-reduces up to this size take the "tree" algorithm here
+CONNECT_S = 0.02  # what making one algorithm's (or one pair's) connections takes  # what a revoked communicator still serves (nccl.h)
 
 
 def two_ranks_per_gpu() -> bool:
@@ -313,6 +320,7 @@ class Communicator:
         self._last_kernel: threading.Event | None = None  # the previous kernel's end
         self._count_lock = threading.Lock()
         self.calls: list[tuple[str, dict]] = []
+        self.connections: list[tuple] = []  # the channels connected, in order
 
     def _join(self) -> None:
         """Init: every rank enters; NCCL refuses two ranks on one GPU unless allowed."""
@@ -643,6 +651,10 @@ class Communicator:
     def _launch(self, ops: list[Op]) -> None:
         """Number the calls, connect what is not yet connected (the host blocks there, or the
         communicator is in progress), then queue them on their stream."""
+        if self._size == 1:
+            ops = [op for op in ops if not self._one_rank(op)]
+            if not ops:
+                return
         for op in ops:
             if op.name in ("send", "recv"):
                 key = (op.name, op.peer)
@@ -650,7 +662,7 @@ class Communicator:
             else:
                 op.seq, self._coll_seq = self._coll_seq, self._coll_seq + 1
         channels = {("p2p",) + tuple(sorted((self._rank, op.peer))) if op.name in ("send", "recv")
-                    else ("coll",) for op in ops}
+                    else ("coll", self._algorithm(op)) for op in ops}
         new = channels - self._connected
         with self._count_lock:
             self._outstanding += 1
@@ -660,12 +672,41 @@ class Communicator:
 
         def connect() -> None:
             for chan in sorted(new):
-                members = range(self._size) if chan == ("coll",) else chan[1:]
+                members = range(self._size) if chan[0] == "coll" else chan[1:]
                 self._meet("connect/" + "/".join(map(str, chan)), members)
+                time.sleep(CONNECT_S)
+                self.connections.append(chan)
             self._connected |= new
             self._enqueue(ops)
 
         self._meanwhile("connect", connect)
+
+    def _algorithm(self, op: Op) -> str:
+        """The algorithm whose connections a collective needs. NCCL connects lazily, per
+        algorithm: at a group's launch, ncclPrepareTasks marks ``algoNeedConnect[algo]`` for
+        an algorithm whose channels are not yet connected, and the group connects them before
+        it launches (NVIDIA/nccl src/group.cc, groupLaunch, and src/enqueue.cc; runtime
+        connection, NCCL_RUNTIME_CONNECT, is the default since 2.22). Which algorithm a call
+        gets depends on the collective and its size (ncclGetAlgoInfo's tuning); here small
+        all-reduces (at most ``TREE_MAX_BYTES``) take "tree" and everything else "ring", so
+        that a later call, not only the first, can need a connection."""
+        nbytes = op.count * NCCL_TYPES[op.dtype].itemsize
+        return "tree" if op.name == "allreduce" and nbytes <= TREE_MAX_BYTES else "ring"
+
+    def _one_rank(self, op: Op) -> bool:
+        """A collective of a one-rank communicator: NCCL launches no kernel for it and
+        connects nothing (src/enqueue.cc, taskAppend: ``if (comm->nRanks == 1)`` a collective
+        goes to ``ncclLaunchOneRank`` and returns). That function (src/device/onerank.cu) does
+        nothing in place, and out of place one ``cudaMemcpyAsync`` of ``count`` elements on
+        the caller's stream (``ncclAvg`` on floating types is a premultiply by 1/1 there, the
+        same values), outside the communicator's queue of kernels. True if it was one."""
+        if op.name not in COLLECTIVES:
+            return False
+        nbytes = op.count * NCCL_TYPES[op.dtype].itemsize
+        if op.send != op.recv and nbytes:
+            send, recv = op.send, op.recv
+            op.stream.submit(lambda: ctypes.memmove(recv, send, nbytes))
+        return True
 
     def _enqueue(self, ops: list[Op]) -> None:
         """Queue the kernel of ``ops`` on their stream, after this communicator's previous
