@@ -326,3 +326,31 @@ def test_emulation_calls_an_abort_under_a_call_of_another_thread_a_use_after_fre
     inside.join(10)
     assert any("use after free" in m for m in rt.misuse)
     rt.misuse.clear()
+
+
+def test_emulation_reports_a_peer_that_aborted_as_a_remote_error_only_a_while_later(rt):
+    nc, uid = rt.nccl(), rt.nccl().get_unique_id()
+    arr, b = buf(rt, 4)
+    with rt.using_device(1):
+        arr1, b1 = buf(rt, 4)
+    peer = []
+
+    def rank_1() -> None:
+        peer.append(nc.Communicator.init(2, 1, uid))
+        calls(rt, peer[0]).allreduce(b1, b1, 0, stream=0)  # connects, with rank 0's call
+
+    thread = on_device_1(rank_1)
+    thread.start()
+    comm = nc.Communicator.init(2, 0, uid)
+    calls(rt, comm).allreduce(b, b, 0, stream=0)
+    thread.join(10)
+    rt.synchronize()
+    calls(rt, comm).allreduce(b, b, 0, stream=0)  # waits on the device for rank 1, who aborts
+    peer[0].abort()
+    time.sleep(0.3)
+    assert comm.get_async_error() == 0  # not yet: the transport has not noticed
+    deadline = time.monotonic() + 10
+    while comm.get_async_error() == 0 and time.monotonic() < deadline:
+        time.sleep(0.01)
+    assert comm.get_async_error() == 6  # ncclRemoteError
+    comm.abort()

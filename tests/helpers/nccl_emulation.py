@@ -19,7 +19,8 @@ the backend, and behaves as they say NCCL does:
   streams; a one-rank collective launches none (``_one_rank``); connections are made lazily
   per algorithm, so a later call can leave a non-blocking communicator in progress
   (``_algorithm``); a peer that aborts shows as ``ncclRemoteError`` only a while later, and
-  only where work waits for it (``_fetch``). ``avg`` on floating types is a premultiply by ``fl(1/n)``, then a sum.
+  only where work waits for it (``_fetch``). ``avg`` on floating types is a premultiply by
+  ``fl(1/n)``, then a sum.
 - ``abort`` frees the communicator: later calls of its methods raise ``NcclInvalid``, and a
   call of the bindings on its handle, or an abort while another thread is inside a call on
   it, is a use after free.
@@ -68,10 +69,12 @@ NCCL_TYPES = {
 NCCL_OPS = {0: np.add, 1: np.multiply, 2: np.maximum, 3: np.minimum, 4: np.add}
 AVG = 4
 SUCCESS, UNHANDLED_CUDA_ERROR, INVALID_ARGUMENT, INVALID_USAGE, IN_PROGRESS = 0, 1, 4, 5, 7
+REMOTE_ERROR = 6
 COLLECTIVES = ("allreduce", "reduce", "broadcast", "allgather", "reduce_scatter")
-MANAGING = ("shrink", "split")
+MANAGING = ("shrink", "split")  # what a revoked communicator still serves (nccl.h)
 TREE_MAX_BYTES = 64 << 10  # all-reduces up to this size take the "tree" algorithm here
-CONNECT_S = 0.02  # what making one algorithm's (or one pair's) connections takes  # what a revoked communicator still serves (nccl.h)
+CONNECT_S = 0.02  # what making one algorithm's (or one pair's) connections takes
+REMOTE_ERROR_S = 1.0  # how long a broken connection to a peer takes to become ncclRemoteError
 
 
 def two_ranks_per_gpu() -> bool:
@@ -452,6 +455,10 @@ class Communicator:
         with self._inside_call("abort"):
             self._valid = False
             self._aborted.set()
+        try:  # the peers' connections to this rank break (``_fetch``)
+            self._rt.store.set(f"{self._prefix}/gone/{self._rank}", b"aborted")
+        except Exception:  # noqa: BLE001 - the store may be closed already
+            pass
 
     def revoke(self, flags: int = 0) -> None:
         """ncclCommRevoke: the work in flight stops; in progress until it has."""
@@ -763,7 +770,7 @@ class Communicator:
             for op in ops:
                 if op.name == "send":
                     self._fetch(f"p2p/{self._rank}->{op.peer}/{op.seq}/ack",
-                                f"send #{op.seq} to rank {op.peer} never received")
+                                f"send #{op.seq} to rank {op.peer} never received", [op.peer])
         except _Aborted:
             return  # the kernel was terminated
         except Misuse as exc:
@@ -775,20 +782,38 @@ class Communicator:
         data = host_view(ptr, n).tobytes() if ptr else b""
         self._rt.store.set(f"{self._prefix}/{key}", pickle.dumps((op.meta(), data)))
 
-    def _fetch(self, key: str, what: str) -> Any:
+    def _fetch(self, key: str, what: str, peers: Any = ()) -> Any:
+        """The value a peer posts at ``key``, waited for as a kernel waits for its peers. A
+        peer of ``peers`` that aborted its communicator (or whose process ended) breaks the
+        connections to it; NCCL finds that out in its proxy thread and reports it as the
+        communicator's asynchronous error ``ncclRemoteError`` ("a call failed possibly due to
+        a network error or a remote process exiting prematurely", nccl.h), not at once but
+        when the transport notices, and only where work waits on that peer: here
+        ``REMOTE_ERROR_S`` after this kernel first sees the peer gone. The kernel itself keeps
+        waiting, as a GPU kernel would, until the communicator is aborted or revoked."""
         deadline = time.monotonic() + self._rt.hang_timeout
+        gone_keys = [f"{self._prefix}/gone/{r}" for r in peers if r != self._rank]
+        noticed = None
         while True:
             if self._aborted.is_set():
                 raise _Aborted
             try:
                 return pickle.loads(self._rt.store.get(f"{self._prefix}/{key}", timeout=0.05))
             except StoreTimeout:
-                if time.monotonic() > deadline:
+                now = time.monotonic()
+                if gone_keys and noticed is None and any(
+                        v is not None for v in self._rt.store.peek(gone_keys)):
+                    noticed = now
+                if noticed is not None and now - noticed >= REMOTE_ERROR_S and \
+                        self._state == SUCCESS:
+                    self._state = REMOTE_ERROR
+                if now > deadline:
                     raise Misuse(f"NCCL would hang: {what}") from None
 
     def _receive(self, op: Op) -> None:
         key = f"p2p/{op.peer}->{self._rank}/{op.seq}"
-        meta, data = self._fetch(key, f"recv #{op.seq} from rank {op.peer} never matched")
+        meta, data = self._fetch(key, f"recv #{op.seq} from rank {op.peer} never matched",
+                                 [op.peer])
         _, count, dtype = meta[:3]
         if (count, dtype) != (op.count, op.dtype):
             raise Misuse(f"recv of {op.count} x type {op.dtype} from rank {op.peer} met a send "
@@ -801,7 +826,7 @@ class Communicator:
         nsend, _ = self._extents(op)
         self._post(f"{base}/{self._rank}", op, op.send, nsend)
         got = [self._fetch(f"{base}/{r}", f"rank {r} never called collective #{op.seq} "
-                           f"({op.name})") for r in range(self._size)]
+                           f"({op.name})", range(self._size)) for r in range(self._size)]
         for r, (meta, _) in enumerate(got):
             if meta != op.meta():
                 raise Misuse(f"collective #{op.seq}: rank {self._rank} called {op.meta()}, "
