@@ -104,9 +104,32 @@ def refused_by_capture(exc: BaseException) -> bool:
     return getattr(exc, "status", None) in CAPTURE_ERRORS
 
 
+_thread = threading.local()
+
+
+def own_thread() -> None:
+    """Mark the calling thread as one of gpucoll's own (the NCCL watchdog, the worker that runs
+    asynchronous calls): before the first event it queries, it switches itself to CUDA's
+    thread-local capture mode (``Runtime.thread_local_capture``). In the default global mode
+    an event query from any thread fails and invalidates a graph that another thread captures
+    in global mode (``cudaStreamBeginCapture``'s and torch.cuda.graph's default). Touches no
+    CUDA itself: a thread that never queries an event never loads it."""
+    _thread.own = True
+
+
+def _isolate() -> None:
+    _thread.isolated = True
+    try:
+        runtime().thread_local_capture()
+    except Exception:  # noqa: BLE001 - no CUDA here: a query refused by capture is not done
+        pass
+
+
 def event_done(event: Any) -> bool:
     """Whether ``event``'s work has completed; False also when CUDA refused the query because a
     graph is being captured (the work may still run). A device failure raises."""
+    if getattr(_thread, "own", False) and not getattr(_thread, "isolated", False):
+        _isolate()
     try:
         return bool(event.done)
     except Exception as exc:

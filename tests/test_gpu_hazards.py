@@ -660,3 +660,26 @@ def test_a_later_call_that_must_connect_another_algorithm_waits_for_it(store_add
     for before, after, right in spawn(hazard_ranks.a_later_call_that_connects, 2, store_addr,
                                       timeout=60):
         assert before == [("coll", "tree")] and after == [("coll", "ring")] and right
+
+
+@pytest.mark.parametrize("own", [True, False], ids=["gpucoll-thread", "other-thread"])
+def test_only_gpucolls_own_threads_query_events_in_thread_local_capture_mode(rt, own):
+    """gpucoll's polling threads (the NCCL watchdog, the ring's worker, which runs the staged
+    ring's asynchronous calls) leave a graph captured elsewhere intact; a thread of the
+    program's, in CUDA's default global mode, invalidates it, as CUDA does."""
+    from gpucoll import cuda
+
+    event, seen = rt.record_event(rt.new_stream()), []
+    rt.synchronize()  # the event has completed
+
+    def poll() -> None:
+        if own:
+            cuda.own_thread()
+        seen.append(cuda.event_done(event))
+
+    with rt.capturing(rt.new_stream()) as capture:
+        thread = threading.Thread(target=poll)
+        thread.start()
+        thread.join(10)
+    assert (capture.invalidated is None) is own
+    assert seen == [own]  # refused by the capture: not done (though it is)

@@ -909,12 +909,7 @@ class Watchdog:
             self._thread.join(timeout=5)
 
     def _run(self) -> None:
-        # Its event queries must not disturb a graph that another thread captures in CUDA's
-        # default global mode, where any thread's query fails and invalidates the capture
-        try:
-            cuda.runtime().thread_local_capture()
-        except Exception:  # noqa: BLE001 - no CUDA here: a query refused by capture is not done
-            pass
+        cuda.own_thread()  # its event queries must not disturb other threads' graph captures
         delay = 0.0005
         while True:
             with self._cond:
