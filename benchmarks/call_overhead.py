@@ -150,6 +150,8 @@ class NoopRuntime:
     def using_device(self, device): return _Here()  # noqa: E704
     def current_stream(self): return 0  # noqa: E704
     def is_capturing(self, stream): return False  # noqa: E704
+    def stream_device(self, stream): return None  # noqa: E704
+    def thread_local_capture(self): return True  # noqa: E704
     def stream_handle(self, stream): return 0 if stream is None else cuda.stream_handle(stream, 0)  # noqa: E501,E704
     def record_event(self, stream): return self._event  # noqa: E704
     def wait_event(self, stream, event): pass  # noqa: E704

@@ -61,6 +61,8 @@ class Runtime(Protocol):
 
     def is_capturing(self, stream: int) -> bool: ...
 
+    def stream_device(self, stream: int) -> int | None: ...
+
     def record_event(self, stream: int) -> Event: ...
 
     def wait_event(self, stream: int, event: Event) -> None: ...
@@ -87,6 +89,53 @@ class Runtime(Protocol):
     def nccl_bindings(self) -> Any: ...
 
     def stall(self, stream: int) -> Callable[[], None]: ...
+
+    def thread_local_capture(self) -> bool: ...
+
+
+# cudaError_t codes (CUDA runtime API) of a call refused because a stream is capturing a graph:
+# cudaErrorStreamCaptureUnsupported (900) ... cudaErrorStreamCaptureWrongThread (908)
+CAPTURE_ERRORS = frozenset(range(900, 909))
+
+
+def refused_by_capture(exc: BaseException) -> bool:
+    """Whether a CUDA call failed only because a stream is capturing a graph (not because the
+    device failed): CuPy's ``CUDARuntimeError`` carries the ``cudaError_t`` as ``status``."""
+    return getattr(exc, "status", None) in CAPTURE_ERRORS
+
+
+_thread = threading.local()
+
+
+def own_thread() -> None:
+    """Mark the calling thread as one of gpucoll's own (the NCCL watchdog, the worker that runs
+    asynchronous calls): before the first event it queries, it switches itself to CUDA's
+    thread-local capture mode (``Runtime.thread_local_capture``). In the default global mode
+    an event query from any thread fails and invalidates a graph that another thread captures
+    in global mode (``cudaStreamBeginCapture``'s and torch.cuda.graph's default). Touches no
+    CUDA itself: a thread that never queries an event never loads it."""
+    _thread.own = True
+
+
+def _isolate() -> None:
+    _thread.isolated = True
+    try:
+        runtime().thread_local_capture()
+    except Exception:  # noqa: BLE001 - no CUDA here: a query refused by capture is not done
+        pass
+
+
+def event_done(event: Any) -> bool:
+    """Whether ``event``'s work has completed; False also when CUDA refused the query because a
+    graph is being captured (the work may still run). A device failure raises."""
+    if getattr(_thread, "own", False) and not getattr(_thread, "isolated", False):
+        _isolate()
+    try:
+        return bool(event.done)
+    except Exception as exc:
+        if refused_by_capture(exc):
+            return False
+        raise
 
 
 def stream_handle(stream: Any, current: int) -> int:
@@ -143,9 +192,11 @@ def hold(event: Any, *objects: Any) -> None:
 
 
 def _done(event: Any) -> bool:
+    """Whether what ``event`` guards may be let go: its work completed, or the device failed
+    (nothing it queued will run any more). A query refused by a graph capture is not done."""
     try:
-        return bool(event.done)
-    except Exception:  # noqa: BLE001 - a failed device: nothing it queued will run any more
+        return event_done(event)
+    except Exception:  # noqa: BLE001 - a failed device
         return True
 
 
@@ -230,6 +281,20 @@ class CupyRuntime:
 
     def is_capturing(self, stream: int) -> bool:
         return bool(_runtime().streamIsCapturing(stream))
+
+    def stream_device(self, stream: int) -> int | None:
+        """The device of stream handle ``stream`` (``cuStreamGetDevice``, CUDA 12.8 drivers
+        on); None for a default stream (the current device's) or where the driver cannot
+        say."""
+        if stream in (0, STREAM_LEGACY, STREAM_PER_THREAD):
+            return None
+        try:
+            from cuda.bindings import driver
+
+            err, device = driver.cuStreamGetDevice(driver.CUstream(stream))
+        except Exception:  # noqa: BLE001 - no cuda-bindings, or a binding without the call
+            return None
+        return int(device) if err == driver.CUresult.CUDA_SUCCESS else None
 
     def record_event(self, stream: int) -> Event:
         import cupy
@@ -327,6 +392,22 @@ class CupyRuntime:
             side.synchronize()
 
         return release
+
+    def thread_local_capture(self) -> bool:
+        """Put the calling thread in ``cudaStreamCaptureModeThreadLocal``, so that its event
+        queries neither fail nor invalidate a graph another thread captures in the default
+        global mode (CUDA runtime API, cudaThreadExchangeStreamCaptureMode: in global mode a
+        thread is "prohibited from potentially unsafe API calls" while any other thread
+        captures in global mode; in thread-local mode only its own captures count). The
+        driver's call, so that it holds whichever CUDA runtime the process loaded. False
+        where cuda-bindings is missing."""
+        try:
+            from cuda.bindings import driver
+        except ImportError:
+            return False
+        mode = driver.CUstreamCaptureMode.CU_STREAM_CAPTURE_MODE_THREAD_LOCAL
+        err, _previous = driver.cuThreadExchangeStreamCaptureMode(mode)
+        return err == driver.CUresult.CUDA_SUCCESS
 
 
 def fold_slots(ufunc: Any, slots: Any, out: Any) -> None:

@@ -217,7 +217,7 @@ class DeviceWire(Wire):
                 if a.nbytes:
                     rt.memcpy_async(pin.__array_interface__["data"][0], ref.ptr, a.nbytes, s)
             event = rt.record_event(s)
-        while not event.done:  # the pinned and device buffers live until then
+        while not cuda.event_done(event):  # the pinned and device buffers live until then
             self.left()
             time.sleep(0.0002)
         for a in up:

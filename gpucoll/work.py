@@ -97,7 +97,7 @@ def wait_event(event: Any, limit: float, failed: Callable[[], None] | None = Non
     while True:
         if failed is not None:
             failed()
-        if event.done:
+        if cuda.event_done(event):
             if failed is not None:
                 failed()
             return True
@@ -164,7 +164,7 @@ class FutureWork(Work):
         if not self._future.done():
             return False
         event = self._event()
-        return event is None or bool(event.done)
+        return event is None or cuda.event_done(event)
 
     def _host(self, timeout: float | None) -> bool:
         if timeout is None and self.helper is not None and not self.finished():

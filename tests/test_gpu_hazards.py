@@ -7,6 +7,7 @@ from __future__ import annotations
 
 import re
 import threading
+import time
 
 import hazard_ranks
 import numpy as np
@@ -142,6 +143,18 @@ def test_a_call_that_fails_restores_the_callers_device_and_records_nothing(rt, s
             backend.all_reduce(as_ref(x, "x"), ReduceOp.SUM, timeout=5)
         assert rt.current_device() == 1
     assert backend._last is last and backend._watchdog.outstanding() == []
+
+
+def test_a_stream_of_another_device_is_refused_before_nccl_and_the_communicator_stays_usable(
+        rt, solo):
+    with rt.using_device(1):
+        elsewhere = rt.new_stream()
+    x = dev(rt, np.ones(2, np.float32))
+    with pytest.raises(ValueError, match="stream=0x[0-9a-f]+ is a stream of device 1, but rank 0's "
+                                         "communicator is on device 0"):
+        solo.all_reduce(x, stream=elsewhere)
+    assert solo._backend._nc.comm.calls == []
+    np.testing.assert_array_equal(solo.all_reduce(x).get(), [1, 1])
 
 
 def test_a_call_from_another_thread_is_complete_only_when_its_work_is(rt, store_addr):
@@ -316,17 +329,29 @@ def test_split_waits_for_this_ranks_outstanding_work_before_nccl_splits(rt, solo
 
 def test_split_waits_for_outstanding_work_on_every_stream_not_only_the_last(rt, solo,
                                                                            monkeypatch):
+    """NCCL runs one communicator's kernels in issue order whatever their streams, but a call's
+    own work after NCCL's (here the local reduction of a bitwise all_reduce) can still be
+    outstanding on its stream when a later call on another stream is done."""
     a, b = rt.new_stream(), rt.new_stream()
-    release = rt.stall(a)
-    first = solo.all_reduce(dev(rt, np.ones(8, np.float32)), async_op=True, stream=a)
+    releases, reduce_slots = [], rt.reduce_slots
+
+    def held(*args, **kwargs):  # the reduction waits behind a stall of its stream
+        releases.append(rt.stall(args[-1]))
+        reduce_slots(*args, **kwargs)
+
+    monkeypatch.setattr(rt, "reduce_slots", held)
+    first = solo.all_reduce(dev(rt, np.ones(8, np.int32)), op="band", async_op=True, stream=a)
+    monkeypatch.setattr(rt, "reduce_slots", reduce_slots)
     last = solo.all_reduce(dev(rt, np.ones(8, np.float32)), async_op=True, stream=b)
-    last.synchronize()  # done, while the first call still waits on its stream
-    _released_when_waited_on(monkeypatch, [(first, release)])
+    last.synchronize()  # done, while the first call's reduction still waits on its stream
+    assert not first.is_completed()
+    _released_when_waited_on(monkeypatch, [(first, releases[0])])
     try:
         sub = solo.split(0)
+        drained = first.is_completed()
     finally:
-        release()
-    assert first.is_completed()
+        releases[0]()
+    assert drained
     sub.close()
     assert rt.misuse == []
 
@@ -540,3 +565,121 @@ def test_a_held_buffer_is_let_go_once_its_event_completes_though_an_earlier_one_
     finally:
         stuck.done = pending.done = True
         cuda.hold(done)
+
+
+# ---- CUDA graphs captured by other threads in global mode ------------------------------------
+
+def test_the_watchdog_polls_without_invalidating_a_graph_another_thread_captures(rt, solo):
+    s = rt.new_stream()
+    release = rt.stall(s)  # the call stays unfinished: the watchdog keeps querying its event
+    work = solo.all_reduce(dev(rt, np.ones(2, np.float32)), stream=s, async_op=True)
+    with rt.capturing(rt.new_stream()) as capture:  # global mode: CUDA's and torch's default
+        time.sleep(0.3)
+    release()
+    work.synchronize(timeout=10)
+    assert capture.invalidated is None
+    assert solo._backend.failure() is None
+
+
+def test_a_held_buffer_stays_while_a_capture_refuses_the_query_of_its_event(rt):
+    import gc
+    import weakref
+
+    from gpucoll import cuda
+
+    class Buffer:
+        pass
+
+    s = rt.new_stream()
+    release = rt.stall(s)
+    unfinished, buffer = rt.record_event(s), Buffer()
+    kept = weakref.ref(buffer)
+    cuda.hold(unfinished, buffer)
+    del buffer
+    capturing, end = threading.Event(), threading.Event()
+
+    def capture() -> None:
+        with rt.capturing(rt.new_stream()):
+            capturing.set()
+            end.wait(10)
+
+    other = threading.Thread(target=capture)
+    other.start()
+    capturing.wait(10)
+    try:
+        cuda.hold(unfinished)  # this thread's query is refused: the event is not done
+        gc.collect()
+        assert kept() is not None
+    finally:
+        end.set()
+        other.join()
+        release()
+        unfinished.synchronize()
+        cuda.hold(rt.record_event(s))
+
+
+# ---- one communicator's calls run in issue order, whatever their streams ---------------------
+
+def test_a_collective_after_a_receive_posted_before_its_send_completes(store_addr):
+    assert spawn(hazard_ranks.receive_then_collective, 2, store_addr, True,
+                 timeout=60) == ["done", "done"]
+
+
+def test_a_collective_held_back_by_an_unmatched_receive_times_out_on_every_rank(store_addr):
+    got = spawn(hazard_ranks.receive_then_collective, 2, store_addr, False, timeout=60)
+    assert all(g.startswith("CollectiveTimeout: all_reduce on rank") for g in got), got
+
+
+def test_a_rank_whose_call_timed_out_is_named_to_its_live_peers_at_once(store_addr):
+    said = spawn(hazard_ranks.stuck_peer_of_a_timed_out_rank, 2, store_addr, timeout=60)[1]
+    seconds, _, text = said.partition(" s: ")
+    assert float(seconds) < 5, said
+    assert "rank 0's NCCL communicator failed: all_reduce on rank 0 of 2 did not complete " \
+           "within 1 s" in text, said
+
+
+def test_close_stops_waiting_for_a_destroy_that_does_not_return_at_its_deadline(rt, store_addr):
+    comm = create("nccl", rank=0, world_size=1, store=store_addr, timeout=1)
+    handle, stuck = comm._backend._nc.comm, threading.Event()
+    destroy = handle.destroy
+
+    def hanging() -> None:  # the driver never returns from ncclCommDestroy
+        stuck.wait(20)
+        destroy()
+
+    handle.destroy = hanging
+    started = time.monotonic()
+    try:
+        comm.close()
+        assert time.monotonic() - started < 5
+    finally:
+        stuck.set()
+
+
+def test_a_later_call_that_must_connect_another_algorithm_waits_for_it(store_addr):
+    for before, after, right in spawn(hazard_ranks.a_later_call_that_connects, 2, store_addr,
+                                      timeout=60):
+        assert before == [("coll", "tree")] and after == [("coll", "ring")] and right
+
+
+@pytest.mark.parametrize("own", [True, False], ids=["gpucoll-thread", "other-thread"])
+def test_only_gpucolls_own_threads_query_events_in_thread_local_capture_mode(rt, own):
+    """gpucoll's polling threads (the NCCL watchdog, the ring's worker, which runs the staged
+    ring's asynchronous calls) leave a graph captured elsewhere intact; a thread of the
+    program's, in CUDA's default global mode, invalidates it, as CUDA does."""
+    from gpucoll import cuda
+
+    event, seen = rt.record_event(rt.new_stream()), []
+    rt.synchronize()  # the event has completed
+
+    def poll() -> None:
+        if own:
+            cuda.own_thread()
+        seen.append(cuda.event_done(event))
+
+    with rt.capturing(rt.new_stream()) as capture:
+        thread = threading.Thread(target=poll)
+        thread.start()
+        thread.join(10)
+    assert (capture.invalidated is None) is own
+    assert seen == [own]  # refused by the capture: not done (though it is)

@@ -184,6 +184,36 @@ def test_emulation_rejects_unknown_streams_and_group_end_without_start(rt, comm)
         rt.nccl().group_end()
 
 
+def test_emulation_keeps_a_refused_calls_error_on_a_non_blocking_communicator(rt):
+    nc = rt.nccl()
+    comm = nc.Communicator.init(1, 0, nc.get_unique_id(), config=nc.NCCLConfig(blocking=False))
+    while comm.get_async_error() == 7:  # ncclInProgress: init runs in the background
+        time.sleep(0.001)
+    arr, b = buf(rt, 4)
+    with pytest.raises(NCCLError):
+        calls(rt, comm).allreduce(b, b, 5, stream=0)  # op 5 is no ncclRedOp_t
+    assert comm.get_async_error() == INVALID_ARGUMENT
+    with pytest.raises(NCCLError) as info:
+        calls(rt, comm).allreduce(b, b, 0, stream=0)  # a valid call, refused from now on
+    assert info.value.status == INVALID_ARGUMENT
+    rt.misuse.clear()
+    comm.abort()
+
+
+def test_emulation_launches_no_kernel_for_a_one_rank_collective(rt, comm):
+    """ncclLaunchOneRank: in place nothing at all, out of place one copy on the stream; no
+    kernel joins the communicator's queue, and nothing connects."""
+    src, a = buf(rt, 4)
+    dst, b = buf(rt, 4)
+    src[...] = np.arange(4)
+    release = rt.stall(0)
+    calls(rt, comm).allreduce(a, a, 0, stream=0)
+    calls(rt, comm).allreduce(a, b, 4, stream=0)  # ncclAvg of one rank: the values
+    assert comm._last_kernel is None and comm._connected == set() and comm._outstanding == 0
+    release()
+    np.testing.assert_array_equal(dst.get(), np.arange(4))
+
+
 def test_emulation_rejects_overlap_that_is_not_the_in_place_layout(rt, comm):
     arr, _ = buf(rt, 8)
     with pytest.raises(NCCLError):
@@ -296,3 +326,31 @@ def test_emulation_calls_an_abort_under_a_call_of_another_thread_a_use_after_fre
     inside.join(10)
     assert any("use after free" in m for m in rt.misuse)
     rt.misuse.clear()
+
+
+def test_emulation_reports_a_peer_that_aborted_as_a_remote_error_only_a_while_later(rt):
+    nc, uid = rt.nccl(), rt.nccl().get_unique_id()
+    arr, b = buf(rt, 4)
+    with rt.using_device(1):
+        arr1, b1 = buf(rt, 4)
+    peer = []
+
+    def rank_1() -> None:
+        peer.append(nc.Communicator.init(2, 1, uid))
+        calls(rt, peer[0]).allreduce(b1, b1, 0, stream=0)  # connects, with rank 0's call
+
+    thread = on_device_1(rank_1)
+    thread.start()
+    comm = nc.Communicator.init(2, 0, uid)
+    calls(rt, comm).allreduce(b, b, 0, stream=0)
+    thread.join(10)
+    rt.synchronize()
+    calls(rt, comm).allreduce(b, b, 0, stream=0)  # waits on the device for rank 1, who aborts
+    peer[0].abort()
+    time.sleep(0.3)
+    assert comm.get_async_error() == 0  # not yet: the transport has not noticed
+    deadline = time.monotonic() + 10
+    while comm.get_async_error() == 0 and time.monotonic() < deadline:
+        time.sleep(0.01)
+    assert comm.get_async_error() == 6  # ncclRemoteError
+    comm.abort()

@@ -31,6 +31,7 @@ from typing import TYPE_CHECKING, Any
 
 import numpy as np
 
+from gpucoll import cuda
 from gpucoll.backends import Backend
 from gpucoll.backends import ring_algos as algos
 from gpucoll.backends.ring_algos import GroupedRing
@@ -796,6 +797,7 @@ class RingBackend(GroupedRing, Backend):
     def _work_loop(self) -> None:
         """Run queued calls in order; between them move non-blocking messages; after a
         failure, fail what is queued and stop."""
+        cuda.own_thread()  # the staged ring's calls poll CUDA events here
         while True:
             if self._engine.has_background and self._queue.empty() and self._error is None:
                 self._drive_background()

@@ -794,6 +794,7 @@ POLL = 0.5  # longest wait in the store between two looks at which ranks are gon
 LEAVE_TIMEOUT = 5.0  # what leaving a group may take at most: the store may be unresponsive
 LEAVE_PROBE = 0.5  # the first reply leaving waits for; a store slower than that is stalled
 _GONE = "gone/{}"
+_FAILED = "failed/{}"  # a rank whose communicator failed, alive and still a member: why
 
 
 class Liveness:
@@ -832,6 +833,22 @@ class Liveness:
         if not self._left:
             self._left = True
             _mark_gone(self.store, self.rank, _gone_value(aborted, culprit))
+
+    def failed(self, why: str) -> None:
+        """Say in the store that this rank's communicator failed and why (it is alive and
+        stays a member: a shrink still counts it), so that peers whose calls wait for it learn
+        it at once (``failures``) instead of at their own deadline. Never raises."""
+        try:
+            self.store.set(_FAILED.format(self.rank), why.encode("utf-8", "replace")[:1000])
+        except (GpucollError, OSError):
+            pass
+
+    def failures(self) -> dict[int, str]:
+        """``{rank: why}`` for the other ranks that said their communicator failed (one
+        peek)."""
+        keys = [_FAILED.format(r) for r in range(self.size)]
+        return {r: v.decode("utf-8", "replace") for r, v in enumerate(self.store.peek(keys))
+                if v is not None and r != self.rank}
 
     def check(self, what: str, ranks: Sequence[int] | None = None) -> None:
         """Raise PeerFailure naming the ranks (of ``ranks``; by default all others) found gone,

@@ -16,7 +16,18 @@ memory. It models what makes GPU code wrong in ways a CPU test would not otherwi
 - **A memory pool that reuses at once.** Device and pinned memory come from a pool that gives a
   freed block to the next allocation of its size straight away, as CuPy's pools do, so that work
   still queued on memory whose owner was dropped reads or overwrites someone else's data.
-- **Capture.** ``capturing(stream)`` makes ``is_capturing`` true for a stream.
+- **Capture.** ``capturing(stream, mode)`` makes ``is_capturing`` true for a stream while a
+  thread captures it, and models CUDA's capture interaction modes (CUDA runtime API,
+  ``cudaThreadExchangeStreamCaptureMode`` and ``cudaStreamCaptureMode``): a thread is
+  "prohibited from potentially unsafe API calls" when it captures itself (in any mode but
+  relaxed) or when its own mode is global (every thread's default) and another thread captures
+  in global mode (``cudaStreamBeginCapture``'s default, and torch.cuda.graph's); a thread in
+  thread-local mode (``thread_local_capture()``) ignores other threads' captures. An event query
+  is such a call (NCCL-NOTES.md: torch's NCCL watchdog switches to thread-local mode around
+  its queries for this reason): it fails with ``cudaErrorStreamCaptureUnsupported`` and
+  invalidates the capture (CUDA C++ Programming Guide, CUDA Graphs, "Invalidation": an invalid
+  operation during capture invalidates the associated graphs, and cudaStreamEndCapture then
+  returns an error and no graph), which ``Capture.invalidated`` records.
 
 What a GPU would hang on (an event never recorded, a stall never released) ends after
 ``hang_timeout`` seconds with an entry in ``misuse``, which tests expect to stay empty.
@@ -192,17 +203,41 @@ class FakeDeviceArray:
 
 # ---- streams and events ------------------------------------------------------------------------
 
-class EmuEvent:
-    """A CUDA event of ``device``; ``done`` until recorded, then once its marker has run."""
+class CudaError(RuntimeError):
+    """A failed CUDA runtime call, with its ``cudaError_t`` as ``status`` (as CuPy's
+    ``CUDARuntimeError``)."""
 
-    def __init__(self, device: int):
-        self.device = device
+    def __init__(self, status: int, name: str, text: str):
+        super().__init__(f"{name}: {text}")
+        self.status = status
+
+
+CAPTURE_UNSUPPORTED = 900  # cudaErrorStreamCaptureUnsupported (driver_types.h)
+
+
+class Capture:
+    """One stream capture: its stream, the thread that began it, its mode ("global",
+    "thread_local" or "relaxed"), and whether an unsafe call invalidated it."""
+
+    def __init__(self, stream: int, mode: str):
+        self.stream, self.mode, self.thread = stream, mode, threading.get_ident()
+        self.invalidated: str | None = None
+
+
+class EmuEvent:
+    """A CUDA event of ``device``; ``done`` until recorded, then once its marker has run.
+    Querying it is a potentially unsafe call under capture (``CudaEmulation.unsafe_call``)."""
+
+    def __init__(self, device: int, rt: CudaEmulation | None = None):
+        self.device, self._rt = device, rt
         self._flag = threading.Event()
         self._flag.set()
         self.ptr = id(self)
 
     @property
     def done(self) -> bool:
+        if self._rt is not None:
+            self._rt.unsafe_call("cudaEventQuery")
         return self._flag.is_set()
 
     def synchronize(self) -> None:
@@ -272,7 +307,7 @@ class CudaEmulation:
         self._local = threading.local()
         self._running = threading.Event()
         self._running.set()
-        self._capturing: set[int] = set()
+        self._captures: dict[int, Capture] = {}
 
     def report(self, message: str) -> None:
         self.misuse.append(message)
@@ -340,17 +375,47 @@ class CudaEmulation:
             raise RuntimeError(f"cudaErrorInvalidResourceHandle: unknown stream {handle:#x}")
         return s
 
+    def stream_device(self, stream: int) -> int | None:
+        """The device a stream belongs to; None for a default handle (the current device's)
+        or an unknown one."""
+        if stream in DEFAULT_STREAMS:
+            return None
+        with self._lock:
+            s = self._streams.get((-1, stream))
+        return None if s is None else s.device
+
     def is_capturing(self, stream: int) -> bool:
-        return stream in self._capturing
+        return stream in self._captures
 
     @contextlib.contextmanager
-    def capturing(self, stream: int):
-        """``stream`` is capturing a CUDA graph inside the block."""
-        self._capturing.add(stream)
+    def capturing(self, stream: int, mode: str = "global"):
+        """``stream`` is capturing a CUDA graph, begun by this thread in ``mode``, inside the
+        block; yields the ``Capture``."""
+        capture = self._captures[stream] = Capture(stream, mode)
         try:
-            yield
+            yield capture
         finally:
-            self._capturing.discard(stream)
+            self._captures.pop(stream, None)
+
+    def thread_local_capture(self) -> bool:
+        """``cudaThreadExchangeStreamCaptureMode(cudaStreamCaptureModeThreadLocal)`` for the
+        calling thread: other threads' captures no longer prohibit its calls."""
+        self._local.capture_mode = "thread_local"
+        return True
+
+    def unsafe_call(self, name: str) -> None:
+        """A potentially unsafe API call from this thread: refused, invalidating the captures
+        that prohibit it, when CUDA's capture modes say so (module docstring)."""
+        me, mode = threading.get_ident(), getattr(self._local, "capture_mode", "global")
+        against = [c for c in list(self._captures.values())
+                   if (c.thread == me and c.mode != "relaxed")
+                   or (c.thread != me and mode == "global" and c.mode == "global")]
+        if not against:
+            return
+        for c in against:
+            c.invalidated = c.invalidated or f"{name} from thread {me} in {mode} mode"
+        raise CudaError(CAPTURE_UNSUPPORTED, "cudaErrorStreamCaptureUnsupported",
+                        "operation not permitted when stream is capturing")
 
     # -- timelines
     def gate(self) -> None:
@@ -375,7 +440,7 @@ class CudaEmulation:
 
     def record_event(self, stream: int) -> EmuEvent:
         """A new event of the current device, recorded on ``stream``."""
-        event = EmuEvent(self.current_device())
+        event = EmuEvent(self.current_device(), self)
         s = self.stream(stream)
         if s.device != event.device:
             raise RuntimeError(f"cudaErrorInvalidResourceHandle: an event of device "

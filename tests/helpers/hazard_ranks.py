@@ -244,3 +244,85 @@ def avg_values(rank: int, n: int, addr: str, backend: str, dtype_name: str) -> l
         got = x.get()
         check_reduced(got, "avg", parts, f"nccl avg {dtype_name}")
         return got.astype(np.float64).tolist()
+
+
+def receive_then_collective(rank: int, n: int, addr: str, matched: bool) -> str:
+    """Rank 0 posts an irecv on a stream of its own, then an all_reduce on the default stream.
+    Rank 1 sends before its all_reduce (``matched``) or after it. NCCL runs one communicator's
+    calls in issue order whatever their streams, so rank 0's all_reduce waits for its receive:
+    matched, both calls complete; unmatched, every rank's all_reduce misses its 2 s deadline
+    (and nothing hangs). Returns how each rank's all_reduce ended."""
+    with emulated(addr, rank, n) as (rt, comm):
+        x, box = FakeDeviceArray(np.ones(4, np.float32), rt), FakeDeviceArray(np.zeros(4), rt)
+        comm.barrier()  # connected: the calls below wait on the device, not on the host
+        if rank == 0:
+            comm.send(box, 1)
+        else:
+            comm.recv(box, 0)
+        if rank == 0:
+            side = rt.new_stream()
+            received = comm.irecv(box, 1, stream=side, timeout=2)
+            reduced = comm.all_reduce(x, async_op=True, timeout=2)
+        elif matched:
+            sent = comm.isend(box, 0, timeout=2)
+            reduced = comm.all_reduce(x, async_op=True, timeout=2)
+        else:
+            reduced = comm.all_reduce(x, async_op=True, timeout=2)
+            sent = comm.isend(box, 0, timeout=2)
+        try:
+            reduced.synchronize()
+            (received if rank == 0 else sent).synchronize()
+        except CollectiveTimeout as exc:
+            return f"CollectiveTimeout: {exc}"
+        return "done"
+
+
+def stuck_peer_of_a_timed_out_rank(rank: int, n: int, addr: str) -> str:
+    """Rank 0's all_reduce misses its 1 s deadline while rank 1, alive, is busy elsewhere; then
+    rank 1 sends to rank 0 with a 15 s deadline. Rank 0 published its failure in the store, so
+    rank 1 learns it at once: a PeerFailure naming rank 0 and why, long before 15 s. Returns,
+    on rank 1, the seconds it took and the error's text."""
+    import time
+
+    with emulated(addr, rank, n) as (rt, comm):
+        store = _store(addr)
+        try:
+            x = FakeDeviceArray(np.ones(4, np.float32), rt)
+            comm.barrier()
+            if rank == 0:  # connect the pair, so that the send below waits on the device
+                comm.send(x, 1)
+            else:
+                comm.recv(x, 0)
+            if rank == 0:
+                try:
+                    comm.all_reduce(x, async_op=True, timeout=1.0).synchronize()
+                except CollectiveTimeout:
+                    store.set("test/zero-failed", b"1")
+                store.wait(["test/one-done"], timeout=30)
+                return ""
+            store.wait(["test/zero-failed"], timeout=30)
+            started = time.monotonic()
+            try:
+                comm.isend(x, 0, timeout=15).synchronize()
+            except PeerFailure as exc:
+                return f"{time.monotonic() - started:.1f} s: {exc}"
+            finally:
+                store.set("test/one-done", b"1")
+            return "the send completed"
+        finally:
+            store.close()
+
+
+def a_later_call_that_connects(rank: int, n: int, addr: str) -> list:
+    """After a barrier (a small all_reduce: one algorithm connected), a large all_reduce needs
+    another algorithm's connections: NCCL leaves the communicator in progress meanwhile, and
+    the call must wait for that (within its deadline) before anything else touches it.
+    Returns the channels connected, and whether the result is right."""
+    with emulated(addr, rank, n) as (rt, comm):
+        comm.barrier()
+        nccl = comm._backend._nc.comm
+        before = list(nccl.connections)
+        x = FakeDeviceArray(np.full(1 << 15, rank + 1, np.float32), rt)  # 128 KiB
+        comm.all_reduce(x)
+        comm.all_gather(x)  # the same algorithm: nothing new to connect
+        return [before, nccl.connections[len(before):], bool((x.get() == 3).all())]

@@ -15,7 +15,12 @@ the backend, and behaves as they say NCCL does:
   (``NCCLConfig(blocking=False)``) returns at once; ``get_async_error()`` says in progress until
   the work is done (forever, if a peer never comes), and any other call meanwhile is misuse.
 - Collectives run on their stream, later; each waits for its peers' data as a kernel would,
-  until ``abort`` ends it. ``avg`` on floating types is a premultiply by ``fl(1/n)``, then a sum.
+  until ``abort`` ends it. One communicator's kernels run in issue order whatever their
+  streams; a one-rank collective launches none (``_one_rank``); connections are made lazily
+  per algorithm, so a later call can leave a non-blocking communicator in progress
+  (``_algorithm``); a peer that aborts shows as ``ncclRemoteError`` only a while later, and
+  only where work waits for it (``_fetch``). ``avg`` on floating types is a premultiply by
+  ``fl(1/n)``, then a sum.
 - ``abort`` frees the communicator: later calls of its methods raise ``NcclInvalid``, and a
   call of the bindings on its handle, or an abort while another thread is inside a call on
   it, is a use after free.
@@ -34,6 +39,7 @@ from __future__ import annotations
 
 import collections
 import contextlib
+import ctypes
 import hashlib
 import os
 import pickle
@@ -63,8 +69,12 @@ NCCL_TYPES = {
 NCCL_OPS = {0: np.add, 1: np.multiply, 2: np.maximum, 3: np.minimum, 4: np.add}
 AVG = 4
 SUCCESS, UNHANDLED_CUDA_ERROR, INVALID_ARGUMENT, INVALID_USAGE, IN_PROGRESS = 0, 1, 4, 5, 7
+REMOTE_ERROR = 6
 COLLECTIVES = ("allreduce", "reduce", "broadcast", "allgather", "reduce_scatter")
 MANAGING = ("shrink", "split")  # what a revoked communicator still serves (nccl.h)
+TREE_MAX_BYTES = 64 << 10  # all-reduces up to this size take the "tree" algorithm here
+CONNECT_S = 0.02  # what making one algorithm's (or one pair's) connections takes
+REMOTE_ERROR_S = 1.0  # how long a broken connection to a peer takes to become ncclRemoteError
 
 
 def two_ranks_per_gpu() -> bool:
@@ -217,7 +227,18 @@ class EmulatedBindings:
         args = {k: _c_int(v, k) if k in ("dtype", "op", "root", "peer") else _c_size(v, k)
                 for k, v in args.items()}
         with comm._api(name):
-            comm._submit(Op(comm, name, stream=comm._stream(stream), **args))
+            try:
+                comm._submit(Op(comm, name, stream=comm._stream(stream), **args))
+            except NCCLError as exc:
+                # On a non-blocking communicator a refused call is also the communicator's
+                # asynchronous error from then on, and NCCL refuses every later call: NVIDIA/
+                # nccl src/enqueue.cc, ncclEnqueueCheck's "fail:" path ("if (info->comm &&
+                # !info->comm->config.blocking) (void) ncclCommSetAsyncError(info->comm,
+                # ret)"), and init.cc's ncclCommEnsureReady, which fails every call while
+                # the asynchronous error is set
+                if not comm._blocking:
+                    comm._state = exc.status
+                raise
 
 
 class Op:
@@ -299,8 +320,10 @@ class Communicator:
         self._coll_seq = self._split_seq = self._shrink_seq = 0
         self._p2p: dict[tuple[str, int], int] = collections.defaultdict(int)
         self._outstanding = 0
+        self._last_kernel: threading.Event | None = None  # the previous kernel's end
         self._count_lock = threading.Lock()
         self.calls: list[tuple[str, dict]] = []
+        self.connections: list[tuple] = []  # the channels connected, in order
 
     def _join(self) -> None:
         """Init: every rank enters; NCCL refuses two ranks on one GPU unless allowed."""
@@ -432,6 +455,10 @@ class Communicator:
         with self._inside_call("abort"):
             self._valid = False
             self._aborted.set()
+        try:  # the peers' connections to this rank break (``_fetch``)
+            self._rt.store.set(f"{self._prefix}/gone/{self._rank}", b"aborted")
+        except Exception:  # noqa: BLE001 - the store may be closed already
+            pass
 
     def revoke(self, flags: int = 0) -> None:
         """ncclCommRevoke: the work in flight stops; in progress until it has."""
@@ -631,6 +658,10 @@ class Communicator:
     def _launch(self, ops: list[Op]) -> None:
         """Number the calls, connect what is not yet connected (the host blocks there, or the
         communicator is in progress), then queue them on their stream."""
+        if self._size == 1:
+            ops = [op for op in ops if not self._one_rank(op)]
+            if not ops:
+                return
         for op in ops:
             if op.name in ("send", "recv"):
                 key = (op.name, op.peer)
@@ -638,7 +669,7 @@ class Communicator:
             else:
                 op.seq, self._coll_seq = self._coll_seq, self._coll_seq + 1
         channels = {("p2p",) + tuple(sorted((self._rank, op.peer))) if op.name in ("send", "recv")
-                    else ("coll",) for op in ops}
+                    else ("coll", self._algorithm(op)) for op in ops}
         new = channels - self._connected
         with self._count_lock:
             self._outstanding += 1
@@ -648,20 +679,59 @@ class Communicator:
 
         def connect() -> None:
             for chan in sorted(new):
-                members = range(self._size) if chan == ("coll",) else chan[1:]
+                members = range(self._size) if chan[0] == "coll" else chan[1:]
                 self._meet("connect/" + "/".join(map(str, chan)), members)
+                time.sleep(CONNECT_S)
+                self.connections.append(chan)
             self._connected |= new
             self._enqueue(ops)
 
         self._meanwhile("connect", connect)
 
+    def _algorithm(self, op: Op) -> str:
+        """The algorithm whose connections a collective needs. NCCL connects lazily, per
+        algorithm: at a group's launch, ncclPrepareTasks marks ``algoNeedConnect[algo]`` for
+        an algorithm whose channels are not yet connected, and the group connects them before
+        it launches (NVIDIA/nccl src/group.cc, groupLaunch, and src/enqueue.cc; runtime
+        connection, NCCL_RUNTIME_CONNECT, is the default since 2.22). Which algorithm a call
+        gets depends on the collective and its size (ncclGetAlgoInfo's tuning); here small
+        all-reduces (at most ``TREE_MAX_BYTES``) take "tree" and everything else "ring", so
+        that a later call, not only the first, can need a connection."""
+        nbytes = op.count * NCCL_TYPES[op.dtype].itemsize
+        return "tree" if op.name == "allreduce" and nbytes <= TREE_MAX_BYTES else "ring"
+
+    def _one_rank(self, op: Op) -> bool:
+        """A collective of a one-rank communicator: NCCL launches no kernel for it and
+        connects nothing (src/enqueue.cc, taskAppend: ``if (comm->nRanks == 1)`` a collective
+        goes to ``ncclLaunchOneRank`` and returns). That function (src/device/onerank.cu) does
+        nothing in place, and out of place one ``cudaMemcpyAsync`` of ``count`` elements on
+        the caller's stream (``ncclAvg`` on floating types is a premultiply by 1/1 there, the
+        same values), outside the communicator's queue of kernels. True if it was one."""
+        if op.name not in COLLECTIVES:
+            return False
+        nbytes = op.count * NCCL_TYPES[op.dtype].itemsize
+        if op.send != op.recv and nbytes:
+            send, recv = op.send, op.recv
+            op.stream.submit(lambda: ctypes.memmove(recv, send, nbytes))
+        return True
+
     def _enqueue(self, ops: list[Op]) -> None:
+        """Queue the kernel of ``ops`` on their stream, after this communicator's previous
+        kernel, whatever stream that one was on: NCCL launches every kernel of a communicator
+        after the one before it and before the one after it, through the communicator's
+        internal ``deviceStream`` (NVIDIA/nccl src/enqueue.cc, ncclLaunchPrepare: "Launch
+        kernel, depends on all of {deviceStream, hostStream, userStream[i]...}" and
+        "{deviceStream, userStream[i]...} depend on kernel"). So a receive whose peer has not
+        sent holds back every later call of the communicator, on any stream."""
         streams = {id(op.stream): op.stream for op in ops}
         first, others = ops[0].stream, [s for k, s in streams.items() if k != id(ops[0].stream)]
         done = threading.Event()
+        before, self._last_kernel = self._last_kernel, done
 
         def run() -> None:
             try:
+                if before is not None:
+                    self._after(before, ops)
                 self._execute(ops)
             finally:
                 with self._count_lock:
@@ -671,6 +741,19 @@ class Communicator:
         first.submit(run)
         for s in others:  # a group over several streams: each waits for the whole group
             s.submit(lambda: done.wait(self._rt.hang_timeout))
+
+    def _after(self, before: threading.Event, ops: list[Op]) -> None:
+        """Wait (on the stream) until the communicator's previous kernel has ended; one that
+        never does is what a GPU would hang on."""
+        deadline = time.monotonic() + self._rt.hang_timeout
+        while not before.wait(0.05):
+            if self._aborted.is_set():
+                return  # terminated: this kernel ends too (``_execute`` sees the abort)
+            if time.monotonic() > deadline:
+                names = ", ".join(op.name for op in ops)
+                self._rt.report(f"rank {self._rank}: NCCL would hang: {names} waits behind an "
+                                "earlier call of the same communicator that never completes")
+                return
 
     # -- execution, on the stream
     def _execute(self, ops: list[Op]) -> None:
@@ -687,7 +770,7 @@ class Communicator:
             for op in ops:
                 if op.name == "send":
                     self._fetch(f"p2p/{self._rank}->{op.peer}/{op.seq}/ack",
-                                f"send #{op.seq} to rank {op.peer} never received")
+                                f"send #{op.seq} to rank {op.peer} never received", [op.peer])
         except _Aborted:
             return  # the kernel was terminated
         except Misuse as exc:
@@ -699,20 +782,38 @@ class Communicator:
         data = host_view(ptr, n).tobytes() if ptr else b""
         self._rt.store.set(f"{self._prefix}/{key}", pickle.dumps((op.meta(), data)))
 
-    def _fetch(self, key: str, what: str) -> Any:
+    def _fetch(self, key: str, what: str, peers: Any = ()) -> Any:
+        """The value a peer posts at ``key``, waited for as a kernel waits for its peers. A
+        peer of ``peers`` that aborted its communicator (or whose process ended) breaks the
+        connections to it; NCCL finds that out in its proxy thread and reports it as the
+        communicator's asynchronous error ``ncclRemoteError`` ("a call failed possibly due to
+        a network error or a remote process exiting prematurely", nccl.h), not at once but
+        when the transport notices, and only where work waits on that peer: here
+        ``REMOTE_ERROR_S`` after this kernel first sees the peer gone. The kernel itself keeps
+        waiting, as a GPU kernel would, until the communicator is aborted or revoked."""
         deadline = time.monotonic() + self._rt.hang_timeout
+        gone_keys = [f"{self._prefix}/gone/{r}" for r in peers if r != self._rank]
+        noticed = None
         while True:
             if self._aborted.is_set():
                 raise _Aborted
             try:
                 return pickle.loads(self._rt.store.get(f"{self._prefix}/{key}", timeout=0.05))
             except StoreTimeout:
-                if time.monotonic() > deadline:
+                now = time.monotonic()
+                if gone_keys and noticed is None and any(
+                        v is not None for v in self._rt.store.peek(gone_keys)):
+                    noticed = now
+                if noticed is not None and now - noticed >= REMOTE_ERROR_S and \
+                        self._state == SUCCESS:
+                    self._state = REMOTE_ERROR
+                if now > deadline:
                     raise Misuse(f"NCCL would hang: {what}") from None
 
     def _receive(self, op: Op) -> None:
         key = f"p2p/{op.peer}->{self._rank}/{op.seq}"
-        meta, data = self._fetch(key, f"recv #{op.seq} from rank {op.peer} never matched")
+        meta, data = self._fetch(key, f"recv #{op.seq} from rank {op.peer} never matched",
+                                 [op.peer])
         _, count, dtype = meta[:3]
         if (count, dtype) != (op.count, op.dtype):
             raise Misuse(f"recv of {op.count} x type {op.dtype} from rank {op.peer} met a send "
@@ -725,7 +826,7 @@ class Communicator:
         nsend, _ = self._extents(op)
         self._post(f"{base}/{self._rank}", op, op.send, nsend)
         got = [self._fetch(f"{base}/{r}", f"rank {r} never called collective #{op.seq} "
-                           f"({op.name})") for r in range(self._size)]
+                           f"({op.name})", range(self._size)) for r in range(self._size)]
         for r, (meta, _) in enumerate(got):
             if meta != op.meta():
                 raise Misuse(f"collective #{op.seq}: rank {self._rank} called {op.meta()}, "

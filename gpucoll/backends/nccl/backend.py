@@ -71,6 +71,7 @@ from gpucoll.backends.nccl.driver import (
     SUCCESS,
     Buf,
     Driver,
+    failed_peer,
     failure,
     forced_blocking,
     reduce_plan,
@@ -256,6 +257,13 @@ class NcclBackend(Backend):
         s = current if stream is None else rt.stream_handle(stream)
         self.refuse_capture(opname, s)
         producers = [] if same_stream(current, s) else [current]
+        if producers:  # NCCL would fail on it, and a failed NCCL call ends the communicator
+            where = rt.stream_device(s)
+            if where is not None and where != self.device:
+                raise ValueError(
+                    f"{opname}: stream={s:#x} is a stream of device {where}, but rank "
+                    f"{self.rank}'s communicator is on device {self.device}; pass a stream of "
+                    f"device {self.device}")
         for ref in refs:
             if ref is None:
                 continue
@@ -713,15 +721,20 @@ class NcclBackend(Backend):
             raise failure(status, opname, self.rank, self.size)
 
     def _fail(self, exc: GpucollError) -> None:
-        """Record the first failure and abort the NCCL communicator (between calls)."""
+        """Record the first failure and abort the NCCL communicator (between calls). A
+        failure found here (a timeout, an NCCL error), not learnt from a peer, is published in
+        the store, so that peers waiting for this rank fail at once, naming it and why."""
         pending = self._watchdog.clear()
+        first = self._nc.failure is None
         self._nc.fail(exc)
         for p in pending:  # an aborted kernel may still be winding down
             cuda.hold(p.event, p.keep)
+        if first and not isinstance(exc, PeerFailure) and self._nc.liveness is not None:
+            self._nc.liveness.failed(str(exc))
 
     def expire(self, pending: Pending) -> None:
         """``pending`` missed its deadline: fail the backend, unless it failed already."""
-        if self._nc.failure is None and not pending.event.done:
+        if self._nc.failure is None and not cuda.event_done(pending.event):
             self._fail(self._watchdog.expired(pending))
 
     def abort(self, reason: str | GpucollError) -> None:
@@ -896,6 +909,7 @@ class Watchdog:
             self._thread.join(timeout=5)
 
     def _run(self) -> None:
+        cuda.own_thread()  # its event queries must not disturb other threads' graph captures
         delay = 0.0005
         while True:
             with self._cond:
@@ -919,7 +933,8 @@ class Watchdog:
                 self._on_fail(failure)
                 continue
             with self._cond:
-                if self._pending and self._pending[0] is head and not head.event.done:
+                if self._pending and self._pending[0] is head and not cuda.event_done(
+                        head.event):
                     self._cond.wait(delay)
                     delay = min(delay * 2, POLL_MAX)
                     continue
@@ -939,14 +954,14 @@ class Watchdog:
         one pass per wake-up, not one per call, keeps this thread off the callers' GIL."""
         pending = self._pending
         try:
-            while pending and pending[0].event.done:
+            while pending and cuda.event_done(pending[0].event):
                 pending.popleft()
         except Exception:  # noqa: BLE001 - _inspect reports it once that call is the head
             pass
 
     def _inspect(self, head: Pending) -> GpucollError | None:
         try:
-            if head.event.done:
+            if cuda.event_done(head.event):  # a query refused by a capture: not done yet
                 return None
             self._check(head.opname)
         except GpucollError as exc:
@@ -961,6 +976,9 @@ class Watchdog:
                         if how != "closed" and r != self.rank]
                 if died:
                     self._liveness.check(head.opname, died)
+                failed = failed_peer(self._liveness, head.opname, self.rank, self.size)
+                if failed is not None:  # a live peer whose communicator failed
+                    return failed
             except PeerFailure as exc:
                 return exc
             except GpucollError:
@@ -1016,7 +1034,7 @@ class EventWork(Work):
         self._pending = pending
 
     def is_completed(self) -> bool:
-        return self._backend.failure() is not None or bool(self._pending.event.done)
+        return self._backend.failure() is not None or cuda.event_done(self._pending.event)
 
     def _order(self) -> None:
         self._backend.raise_failure()

@@ -40,6 +40,7 @@ from __future__ import annotations
 import copy
 import dataclasses
 import functools
+import logging
 import os
 import threading
 import time
@@ -59,6 +60,7 @@ RESULT_NAMES = {
 }
 SUCCESS, REMOTE_ERROR, IN_PROGRESS, TIMEOUT = 0, 6, 7, 8
 LOOK_EVERY = 0.5  # seconds between looks at the store for peers that are gone, while settling
+DESTROY_MIN_S = 0.5  # what close waits for ncclCommDestroy at least, past its deadline too
 QUIESCE_S = 5.0  # how long a revoked communicator may take to stop its work before a shrink
 SINCE = {"shrink": (2, 27), "revoke": (2, 28)}  # the NCCL release that added each call
 
@@ -89,6 +91,17 @@ def failure(status: int | None, opname: str, rank: int, size: int,
     if status == TIMEOUT:
         return CollectiveTimeout(message)
     return NcclFailure(message, status)
+
+
+def failed_peer(liveness: Any, opname: str, rank: int, size: int) -> PeerFailure | None:
+    """A PeerFailure for the first peer that said in the store that its communicator
+    failed (``Liveness.failed``: alive, but it will not take part any more), or None."""
+    failed = liveness.failures()
+    if not failed:
+        return None
+    r = min(failed)
+    return PeerFailure(f"{opname} on rank {rank} of {size}: rank {r}'s NCCL communicator "
+                       f"failed: {failed[r]}", peer=r)
 
 
 def translate(exc: BaseException, opname: str, rank: int, size: int) -> GpucollError:
@@ -225,7 +238,15 @@ class Driver:
         which a revoked communicator still serves; a failure then aborts (frees) it, since a
         communicator that never formed, or is closing, has nothing left to shrink."""
         delay, look = 0.00005, time.monotonic() + LOOK_EVERY
-        end = functools.partial(self.fail, free=managing)
+
+        def end(exc: GpucollError) -> GpucollError:
+            first = self.failure is None
+            err = self.fail(exc, free=managing)
+            if first and not managing and not isinstance(exc, PeerFailure) and \
+                    self.liveness is not None:  # peers waiting for this rank learn it at once
+                self.liveness.failed(str(exc))
+            return err
+
         while True:
             status = self.async_error(opname, managing=managing)
             if status == SUCCESS:
@@ -237,6 +258,12 @@ class Driver:
                 look = now + LOOK_EVERY
                 try:
                     self.liveness.check(opname)
+                    # a live peer whose communicator failed (not while this one is made or
+                    # closed: a shrink's survivors include ranks whose old one failed)
+                    failed = None if managing else failed_peer(self.liveness, opname,
+                                                                self.rank, self.size)
+                    if failed is not None:
+                        raise failed
                 except PeerFailure as exc:
                     raise end(exc) from None
             if now > deadline:
@@ -359,8 +386,8 @@ class Driver:
 
     def close(self, deadline: float) -> None:
         """Finalize (collective: waits, within ``deadline``, for the peers' own close) and
-        destroy; abort instead after a failure, or when finalize is refused or does not
-        settle. Never raises."""
+        destroy (waited for until ``deadline``, at least ``DESTROY_MIN_S``); abort instead
+        after a failure, or when finalize is refused or does not settle. Never raises."""
         with self._lock:
             if self._freed:
                 return
@@ -381,13 +408,29 @@ class Driver:
             self.settle("close", deadline, max(deadline - time.monotonic(), 0.0), managing=True)
         except GpucollError:
             return
-        with self._lock:
-            if not self._freed:
-                self._freed = True
-                try:
-                    self.comm.destroy()
-                except Exception:  # noqa: BLE001 - closing never raises
-                    pass
+        with self._lock:  # from here on nothing else touches the handle
+            if self._freed:
+                return
+            self._freed = True
+        # ncclCommDestroy is a blocking call with no deadline of its own: it runs on a thread
+        # of its own, outside the lock, and close stops waiting for it at the deadline
+        done = threading.Event()
+
+        def destroy() -> None:
+            try:
+                self.comm.destroy()
+            except Exception:  # noqa: BLE001 - closing never raises
+                pass
+            finally:
+                done.set()
+
+        threading.Thread(target=destroy, daemon=True,
+                         name=f"gpucoll-nccl-destroy-{self.rank}").start()
+        if not done.wait(max(deadline - time.monotonic(), DESTROY_MIN_S)):
+            logging.getLogger("gpucoll").warning(
+                "rank %d of %d: NCCL's destroy of a finalized communicator did not return "
+                "by the close deadline; close returns, leaving it to finish in the background",
+                self.rank, self.size)
 
     def _usable(self, opname: str, managing: bool = False) -> None:
         """Raise (a copy of) the failure that ended this communicator, if any (lock held); a
@@ -398,7 +441,12 @@ class Driver:
 
     def _refused(self, exc: BaseException, opname: str) -> GpucollError:
         """An NCCL call raised at once (lock held): nothing was enqueued. An error of NCCL's
-        own ends the communicator; nccl4py's argument check (no status) does not."""
+        own ends the communicator, ncclInvalidArgument included: on a non-blocking
+        communicator NCCL keeps a refused call's error as the communicator's asynchronous
+        error and refuses every later call (src/enqueue.cc, ncclEnqueueCheck), which is why
+        the backend checks the caller's arguments (buffers' and streams' devices, counts,
+        datatypes) before NCCL sees them. nccl4py's own argument check (no status) leaves
+        the communicator as it was."""
         err = translate(exc, opname, self.rank, self.size)
         if getattr(exc, "status", None) is None:
             return err

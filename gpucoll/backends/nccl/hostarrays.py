@@ -12,9 +12,11 @@ into the caller's arrays once that device work is done, within the call's deadli
 
 - a collective returns with its host arrays written, also when started with ``async_op=True``
   (its Work is then complete): the communicator's own host-side steps after a backend call
-  (unpacking a fused buffer, writing back a strided array's stand-in) read those arrays at once,
-  and a collective that blocks cannot deadlock, since every rank issues collectives in the same
-  order;
+  (unpacking a fused buffer, writing back a strided array's stand-in) read those arrays at once.
+  NCCL runs one communicator's calls in the order they were issued, so such a collective also
+  waits for this rank's earlier sends and receives: one whose peer posts its side only after
+  its own collective holds both back until their deadlines (docs/gpus.md, "One communicator,
+  one queue");
 - ``batch_p2p`` (every ``isend``/``irecv``) returns at once, so that sends and receives posted
   on both sides before either is waited for never wait on each other; its Works write the
   received arrays when found complete (``wait``, ``synchronize``, ``is_completed``), and writing
