@@ -6,8 +6,8 @@ On real devices it runs, each check in processes of its own:
 - all_reduce of every dtype x op x size (0, 1, 1031 and 1 Mi elements), and every other
   collective, on a world of one, against NumPy; then the same on NumPy arrays, which the NCCL
   backend stages through device memory;
-- the same on two ranks sharing GPU 0, where NCCL allows it (NCCL >= 2.30, with
-  NCCL_MULTI_RANK_GPU_ENABLE=1, which this sets), and on one rank per GPU when there are several;
+- the same on two ranks sharing GPU 0 (backend="nccl" arranges that with NCCL), and on one
+  rank per GPU when there are several;
 - the failure cases on those ranks: a rank that never starts, one that skips a collective, one
   that dies (each must end in an error naming it, within its deadline);
 - a stream race (the input written on a busy stream, the collective on another), whether
@@ -64,7 +64,7 @@ import numpy as np
 
 from gpucoll import cuda
 from gpucoll.arrays import SUPPORTED_DTYPES, dtype_from_name
-from gpucoll.backends.nccl.backend import library_version, local_verdict, several_ranks_per_gpu
+from gpucoll.backends.nccl.backend import library_version, local_verdict
 from gpucoll.default import create
 from gpucoll.errors import CollectiveTimeout, GpucollError, PeerFailure
 from gpucoll.ops import ReduceOp, check_op_dtype
@@ -74,7 +74,6 @@ from gpucoll.transport import shm
 # -- which checks run where, and the command --------------------------------------------------
 BANDWIDTH_SIZES = (1 << 20, 16 << 20, 64 << 20, 256 << 20)
 QUICK_BANDWIDTH_SIZES = (1 << 20, 4 << 20)
-SHARED_GPU_ENV = {"NCCL_MULTI_RANK_GPU_ENABLE": "1"}
 
 
 class _Setup:
@@ -101,7 +100,7 @@ def run(*, quick: bool = False, nccl_tests: str | None = None, timeout: float = 
         report.note = f"no CUDA device ({why})"
         return report
     try:
-        version = library_version(rt.nccl())
+        library_version(rt.nccl())  # loads NCCL, or says why it cannot
     except Exception as exc:  # noqa: BLE001
         report.note = f"nccl4py cannot be loaded ({type(exc).__name__}: {exc})"
         return report
@@ -111,8 +110,7 @@ def run(*, quick: bool = False, nccl_tests: str | None = None, timeout: float = 
                         quick, timeout, setup)
         return report
     one = _Setup("world of one", 1, 0, {})
-    shared = _Setup("2 ranks on GPU 0", 2, 0, SHARED_GPU_ENV) if several_ranks_per_gpu(
-        version, SHARED_GPU_ENV) else None
+    shared = _Setup("2 ranks on GPU 0", 2, 0, {})
     spread = _Setup(f"{min(count, 8)} ranks, one per GPU", min(count, 8), None, {}) \
         if count >= 2 else None
     multi = spread or shared
@@ -124,18 +122,15 @@ def run(*, quick: bool = False, nccl_tests: str | None = None, timeout: float = 
 
     check("dtype x op x size", one, matrix, quick)
     check("dtype x op x size, NumPy arrays", one, host_matrix, quick)
-    check("dtype x op x size", shared, matrix, True,
-          why_not=f"NCCL {version} refuses several ranks on one GPU (needs 2.30)")
+    check("dtype x op x size", shared, matrix, True)
     check("dtype x op x size", spread, matrix, True, why_not="one GPU only")
-    no_multi = "needs two GPUs, or NCCL >= 2.30 for two ranks on one"
-    check("a rank that never starts", multi, missing_at_start_up, why_not=no_multi)
-    check("a rank that skips a collective", multi, skipped_call, why_not=no_multi)
-    check("a rank that dies", multi, dead_peer, why_not=no_multi)
+    check("a rank that never starts", multi, missing_at_start_up)
+    check("a rank that skips a collective", multi, skipped_call)
+    check("a rank that dies", multi, dead_peer)
     check("stream race", one, stream_race)
     check("is_completed() while the device is busy", one, honest_completion)
-    check("split after async work", multi or one, split_after_async)
-    if multi is not None:
-        _bandwidth(report, multi, quick, nccl_tests, timeout, setup)
+    check("split after async work", multi, split_after_async)
+    _bandwidth(report, multi, quick, nccl_tests, timeout, setup)
     return report
 
 

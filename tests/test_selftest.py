@@ -11,7 +11,7 @@ import sys
 import pytest
 import selftest_emulation
 from conftest import cuda_available
-from nccl_emulation import EmulatedRuntime, two_ranks_per_gpu
+from nccl_emulation import EmulatedRuntime
 
 from gpucoll import cuda, selftest
 from gpucoll.selftest import render
@@ -21,8 +21,7 @@ pytestmark = pytest.mark.timeout(300)
 CHECKS = [
     "dtype x op x size (world of one)",
     "dtype x op x size, NumPy arrays (world of one)",
-    # skipped, and named without the setting, where the installed NCCL is older than 2.30
-    "dtype x op x size (2 ranks on GPU 0)" if two_ranks_per_gpu() else "dtype x op x size",
+    "dtype x op x size (2 ranks on GPU 0)",
     "dtype x op x size (2 ranks, one per GPU)",
     "a rank that never starts (2 ranks, one per GPU)",
     "a rank that skips a collective (2 ranks, one per GPU)",

@@ -70,14 +70,6 @@ COLLECTIVES = ("allreduce", "reduce", "broadcast", "allgather", "reduce_scatter"
 MANAGING = ("shrink", "split")  # what a revoked communicator still serves (nccl.h)
 
 
-def two_ranks_per_gpu() -> bool:
-    """Whether the emulation, which reports the installed NCCL's version, stands for an NCCL that
-    accepts two ranks on one GPU (>= 2.30, asked with NCCL_MULTI_RANK_GPU_ENABLE=1)."""
-    from gpucoll.backends.nccl.backend import library_version, several_ranks_per_gpu
-
-    return several_ranks_per_gpu(library_version(_nc), {"NCCL_MULTI_RANK_GPU_ENABLE": "1"})
-
-
 class EmulatedRuntime(CudaEmulation):
     """The CUDA emulation with an emulated nccl4py; ``store_addr`` carries NCCL's traffic."""
 

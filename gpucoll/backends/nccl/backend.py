@@ -1143,14 +1143,6 @@ def library_version(nc: Any) -> str:
     return str(lib.version)
 
 
-def several_ranks_per_gpu(version: str, environ: Any = None) -> bool:
-    """Whether NCCL ``version`` will accept several ranks of one communicator on one GPU."""
-    env = os.environ if environ is None else environ
-    numbers = tuple(int(p) for p in version.split(".")[:2] if p.isdigit())
-    return (env.get("NCCL_MULTI_RANK_GPU_ENABLE", "") == "1"
-            and numbers >= MULTI_RANK_GPU_VERSION and env.get("NCCL_NVLS_ENABLE", "") != "1")
-
-
 def local_verdict(rt: Any = None, *, rank: int = 0, device: Any = None) -> dict[str, Any]:
     """Whether this process can run the NCCL backend and why (never raises): ``ok``, ``why``,
     and when ok, ``gpu`` (host and PCI bus id of the device it would drive)."""
