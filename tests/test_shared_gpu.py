@@ -100,3 +100,18 @@ def test_the_emulation_reports_the_version_it_is_told(store_addr):
         assert rt.nccl().older_than(2, 30)
     finally:
         rt.close()
+
+
+@pytest.mark.parametrize(("version", "hostids", "ok"), [
+    ("2.28.9", ["", ""], False),      # one host, one GPU: "Duplicate GPU detected"
+    ("2.28.9", ["a", "a"], False),
+    ("2.28.9", ["a", "b"], True),     # separate hosts to NCCL
+    ("2.32.3", ["a", "b"], False),    # from 2.30 only NCCL_MULTI_RANK_GPU_ENABLE=1 allows it
+])
+def test_the_emulation_refuses_ranks_on_one_gpu_as_nccl_does(store_addr, version, hostids, ok):
+    got = spawn(nccl_ranks.raw_init_on_one_gpu, 2, store_addr, version, hostids, timeout=60,
+                env=CLEAN)
+    if ok:
+        assert got == ["ok", "ok"]
+    else:
+        assert all(g.startswith("NCCLError: InvalidUsage") for g in got), got

@@ -568,3 +568,28 @@ def refused_on_one_gpu(rank: int, n: int, addr: str, version: str) -> str:
         rt.close()
         cuda.set_runtime(None)
     return "no error"
+
+
+def raw_init_on_one_gpu(rank: int, n: int, addr: str, version: str, hostids: list) -> str:
+    """nccl4py's ``Communicator.init`` straight on the emulation (no gpucoll start-up), every
+    rank on device 0 with NCCL_HOSTID ``hostids[rank]`` ("" for none): "ok" or NCCL's error."""
+    from gpucoll.store import TCPStore, parse_address
+
+    if hostids[rank]:
+        os.environ["NCCL_HOSTID"] = hostids[rank]
+    rt = EmulatedRuntime(addr, devices=1, nccl_version=version)
+    store = TCPStore(*parse_address(addr), timeout=30)
+    nc = rt.nccl()
+    try:
+        if rank == 0:
+            store.set("raw/uid", bytes(nc.get_unique_id()))
+        uid = nc.UniqueId.from_bytes(store.get("raw/uid", timeout=30))
+        try:
+            comm = nc.Communicator.init(n, rank, uid)
+        except Exception as exc:  # noqa: BLE001 - the test reads NCCL's refusal
+            return f"{type(exc).__name__}: {exc}"
+        comm.destroy()
+        return "ok"
+    finally:
+        store.close()
+        rt.close()
