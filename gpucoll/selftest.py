@@ -6,14 +6,21 @@ On real devices it runs, each check in processes of its own:
 - all_reduce of every dtype x op x size (0, 1, 1031 and 1 Mi elements), and every other
   collective, on a world of one, against NumPy; then the same on NumPy arrays, which the NCCL
   backend stages through device memory;
-- the same on two ranks sharing GPU 0, where NCCL allows it (NCCL >= 2.30, with
-  NCCL_MULTI_RANK_GPU_ENABLE=1, which this sets), and on one rank per GPU when there are several;
+- the same on two ranks sharing GPU 0 (backend="nccl" arranges that with NCCL), and on one
+  rank per GPU when there are several;
 - the failure cases on those ranks: a rank that never starts, one that skips a collective, one
   that dies (each must end in an error naming it, within its deadline);
 - a stream race (the input written on a busy stream, the collective on another), whether
   ``is_completed()`` tells the truth while the device is busy, and split right after
   asynchronous work;
 - all_reduce bus bandwidth, beside nccl-tests' ``all_reduce_perf`` when it is found.
+
+``--ranks N`` runs instead the checks of N ranks sharing the machine's GPUs through
+backend="nccl" (``run_ranks_suite``; ranks on one GPU as ``gpucoll.backends.nccl`` arranges):
+the matrix on device and on NumPy arrays, uneven and object collectives, batch_isend_irecv,
+async Work, split, new_group, torch and JAX arrays where installed with GPU support, and the
+faults (a rank that never starts, skips a call, is killed during one, is stopped; shrink
+after a loss), each named within its bound.
 
 Exit status: 0 every check passed, 1 a check failed, 2 nothing could run (no CUDA device, or
 nccl4py missing): the report then says why, and that nothing ran on a GPU.
@@ -57,7 +64,7 @@ import numpy as np
 
 from gpucoll import cuda
 from gpucoll.arrays import SUPPORTED_DTYPES, dtype_from_name
-from gpucoll.backends.nccl.backend import library_version, local_verdict, several_ranks_per_gpu
+from gpucoll.backends.nccl.backend import library_version, local_verdict
 from gpucoll.default import create
 from gpucoll.errors import CollectiveTimeout, GpucollError, PeerFailure
 from gpucoll.ops import ReduceOp, check_op_dtype
@@ -67,7 +74,6 @@ from gpucoll.transport import shm
 # -- which checks run where, and the command --------------------------------------------------
 BANDWIDTH_SIZES = (1 << 20, 16 << 20, 64 << 20, 256 << 20)
 QUICK_BANDWIDTH_SIZES = (1 << 20, 4 << 20)
-SHARED_GPU_ENV = {"NCCL_MULTI_RANK_GPU_ENABLE": "1"}
 
 
 class _Setup:
@@ -78,9 +84,14 @@ class _Setup:
 
 
 def run(*, quick: bool = False, nccl_tests: str | None = None, timeout: float = 300.0,
-        setup: Callable | None = None) -> Report:
-    """Every check this machine allows. ``setup(store_address)`` (tests only) prepares each
-    rank process and returns its device-array maker; None: CuPy on the real devices."""
+        setup: Callable | None = None, ranks: int | None = None) -> Report:
+    """Every check this machine allows; with ``ranks``, the checks of ``ranks`` ranks sharing
+    this machine's GPUs instead (``run_ranks_suite``). ``setup(store_address)`` (tests only)
+    prepares each rank process and returns its device-array maker; None: CuPy on the real
+    devices."""
+    if ranks is not None and (isinstance(ranks, bool) or not isinstance(ranks, int)
+                              or ranks < 2):
+        raise ValueError(f"ranks={ranks!r}: expected an int of at least 2")
 
     rt = cuda.runtime()
     report = Report(collect(), rt.name)
@@ -89,14 +100,17 @@ def run(*, quick: bool = False, nccl_tests: str | None = None, timeout: float = 
         report.note = f"no CUDA device ({why})"
         return report
     try:
-        version = library_version(rt.nccl())
+        library_version(rt.nccl())  # loads NCCL, or says why it cannot
     except Exception as exc:  # noqa: BLE001
         report.note = f"nccl4py cannot be loaded ({type(exc).__name__}: {exc})"
         return report
     count = rt.device_count()
+    if ranks is not None:
+        run_ranks_suite(report, _Setup(f"{ranks} ranks on {count} GPU(s)", ranks, None, {}),
+                        quick, timeout, setup)
+        return report
     one = _Setup("world of one", 1, 0, {})
-    shared = _Setup("2 ranks on GPU 0", 2, 0, SHARED_GPU_ENV) if several_ranks_per_gpu(
-        version, SHARED_GPU_ENV) else None
+    shared = _Setup("2 ranks on GPU 0", 2, 0, {})
     spread = _Setup(f"{min(count, 8)} ranks, one per GPU", min(count, 8), None, {}) \
         if count >= 2 else None
     multi = spread or shared
@@ -108,19 +122,40 @@ def run(*, quick: bool = False, nccl_tests: str | None = None, timeout: float = 
 
     check("dtype x op x size", one, matrix, quick)
     check("dtype x op x size, NumPy arrays", one, host_matrix, quick)
-    check("dtype x op x size", shared, matrix, True,
-          why_not=f"NCCL {version} refuses several ranks on one GPU (needs 2.30)")
+    check("dtype x op x size", shared, matrix, True)
     check("dtype x op x size", spread, matrix, True, why_not="one GPU only")
-    no_multi = "needs two GPUs, or NCCL >= 2.30 for two ranks on one"
-    check("a rank that never starts", multi, missing_at_start_up, why_not=no_multi)
-    check("a rank that skips a collective", multi, skipped_call, why_not=no_multi)
-    check("a rank that dies", multi, dead_peer, why_not=no_multi)
+    check("a rank that never starts", multi, missing_at_start_up)
+    check("a rank that skips a collective", multi, skipped_call)
+    check("a rank that dies", multi, dead_peer)
     check("stream race", one, stream_race)
     check("is_completed() while the device is busy", one, honest_completion)
-    check("split after async work", multi or one, split_after_async)
-    if multi is not None:
-        _bandwidth(report, multi, quick, nccl_tests, timeout, setup)
+    check("split after async work", multi, split_after_async)
+    _bandwidth(report, multi, quick, nccl_tests, timeout, setup)
     return report
+
+
+def run_ranks_suite(report: Report, where: _Setup, quick: bool, timeout: float,
+                    setup: Callable | None) -> None:
+    """``gpucoll selftest --ranks N``: every check on N ranks through backend="nccl", the
+    ranks sharing this machine's GPUs (rank r drives GPU r modulo their number)."""
+
+    def check(name: str, fn: Callable, *args: Any) -> None:
+        report.checks.append(_run_check(f"{name} ({where.name})", where, fn, args, timeout,
+                                        setup, ""))
+
+    check("dtype x op x size", matrix, quick)
+    check("dtype x op x size, NumPy arrays", host_matrix, quick)
+    check("uneven and object collectives", uneven_and_objects)
+    check("batch_isend_irecv", batch_ring)
+    check("async Work", async_work)
+    check("split after async work", split_after_async)
+    check("new_group", new_group_of_evens)
+    check("torch and JAX arrays", other_libraries)
+    check("a rank that never starts", missing_at_start_up)
+    check("a rank that skips a collective", skipped_call)
+    check("a rank killed during a call", dead_peer)
+    check("a stopped rank (SIGSTOP)", stopped_peer)
+    check("shrink after a rank is killed", shrink_after_loss)
 
 
 def _run_check(name: str, where: _Setup | None, fn: Callable, args: tuple, timeout: float,
@@ -131,12 +166,14 @@ def _run_check(name: str, where: _Setup | None, fn: Callable, args: tuple, timeo
     outcomes = run_ranks(fn, where.n, where.device, *args, timeout=timeout, env=where.env,
                          setup=setup)
     seconds = time.monotonic() - start
-    if fn is dead_peer:  # rank 1 dies on purpose
-        outcomes = outcomes[:1]
+    if fn in LOSES_RANK_1:  # rank 1 dies or stops on purpose
+        outcomes = [o for o in outcomes if o.rank != 1]
     errors = [f"rank {o.rank}: {o.error or f'exit code {o.exitcode}'}" for o in outcomes
               if not o.ok]
     if errors:
         return Check(name, FAIL, seconds, "; ".join(errors))
+    if isinstance(outcomes[0].value, Skipped):
+        return Check(name, SKIP, seconds, str(outcomes[0].value))
     return Check(name, PASS, seconds, str(outcomes[0].value))
 
 
@@ -187,8 +224,14 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--timeout", type=float, default=300.0,
                         help="seconds one check may take (default 300)")
     parser.add_argument("--json", metavar="PATH", help="also write the report as JSON")
+    parser.add_argument("--ranks", type=int, metavar="N",
+                        help="instead, check N ranks (2 or more) sharing this machine's GPUs "
+                             "through backend='nccl': collectives, groups, faults")
     args = parser.parse_args(argv)
-    report = run(quick=args.quick, nccl_tests=args.nccl_tests, timeout=args.timeout)
+    if args.ranks is not None and args.ranks < 2:
+        parser.error(f"--ranks {args.ranks}: expected 2 or more")
+    report = run(quick=args.quick, nccl_tests=args.nccl_tests, timeout=args.timeout,
+                 ranks=args.ranks)
     print(render(report))
     if args.json:
         with open(args.json, "w") as f:
@@ -456,13 +499,19 @@ def fails_without_rank_1(what: str, errors: type[BaseException] | tuple, call: C
 
 
 def missing_at_start_up(rank: int, n: int, addr: str, arrays: Any, device: int | None) -> str:
-    """Rank 1 never starts: rank 0's start-up must end within its 3 s deadline naming it."""
+    """Rank 1 never starts: rank 0's start-up must end within its 3 s deadline naming it. The
+    other ranks wait longer, and fail too (naming rank 1, or rank 0, which left first)."""
     if RankOneAway(rank).stays_away():
         return ""
     start = time.monotonic()
+    if rank != 0:
+        exc = fails_without_rank_1("start-up", (CollectiveTimeout, PeerFailure), lambda: create(
+            "nccl", rank=rank, world_size=n, store=addr, timeout=3 + SLACK, device=device))
+        return f"{type(exc).__name__}: {exc}"
     exc = fails_without_rank_1("start-up", CollectiveTimeout, lambda: create(
-        "nccl", rank=0, world_size=n, store=addr, timeout=3, device=device), named=True)
-    return f"CollectiveTimeout after {time.monotonic() - start:.1f} s (deadline 3 s): {exc}"
+        "nccl", rank=rank, world_size=n, store=addr, timeout=3, device=device), named=True)
+    return _within(f"CollectiveTimeout after {time.monotonic() - start:.1f} s (deadline 3 s): "
+                   f"{exc}", start, 3 + SLACK)
 
 
 def skipped_call(rank: int, n: int, addr: str, arrays: Any, device: int | None) -> str:
@@ -488,23 +537,260 @@ def skipped_call(rank: int, n: int, addr: str, arrays: Any, device: int | None) 
                 pass
             else:
                 raise AssertionError("the aborted communicator took another call") from exc
-            return f"CollectiveTimeout after {took:.1f} s (deadline 2 s): {exc}"
+            return _within(f"CollectiveTimeout after {took:.1f} s (deadline 2 s): {exc}",
+                           start, 2 + SLACK, took)
     finally:
         comm.close()
         store.close()
 
 
+SLACK = 3.0  # seconds a fault check allows past its deadline (a loaded machine)
+PEER_FAILURE_BOUND = 5.0  # a dead peer is named "within about a second" (docs/gpus.md)
+IN_CALL = "selftest/in-call/{}"
+
+
+class Skipped(str):
+    """A rank's answer for a check this machine cannot run (the report says skip, and why)."""
+
+
+def _within(text: str, start: float, bound: float, took: float | None = None) -> str:
+    """``text``, or an AssertionError when the error came later than ``bound`` seconds."""
+    took = time.monotonic() - start if took is None else took
+    if took > bound:
+        raise AssertionError(f"named only after {took:.1f} s (bound {bound:.0f} s): {text}")
+    return text
+
+
+def _others_in_call(store: Any, rank: int, n: int) -> None:
+    """Rank 1 waits until every other rank is about to enter its call, and a little more."""
+    store.wait([IN_CALL.format(r) for r in range(n) if r != 1], timeout=60)
+    time.sleep(0.5)
+
+
 def dead_peer(rank: int, n: int, addr: str, arrays: Any, device: int | None) -> str:
-    """Rank 1 dies before an all_reduce: rank 0 must name it long before the 60 s deadline."""
+    """Rank 1 is killed (SIGKILL) while the others are in an all_reduce: they must name it
+    within about a second, long before the call's 60 s deadline."""
+    import signal
+
+    from gpucoll.store import TCPStore, parse_address
+
+    store = TCPStore(*parse_address(addr), timeout=60)
     comm = create("nccl", rank=rank, world_size=n, store=addr, timeout=60, device=device)
     with comm:
         x = arrays.put(np.ones(1024, np.float32))
         comm.barrier()
-        RankOneAway(rank).stays_away(dies=True)
+        if rank == 1:
+            _others_in_call(store, rank, n)
+            os.kill(os.getpid(), signal.SIGKILL)
+        store.set(IN_CALL.format(rank), "1")
         start = time.monotonic()
         exc = fails_without_rank_1("an all_reduce", PeerFailure,
-                                   lambda: comm.all_reduce(x, async_op=True).synchronize())
-        return f"PeerFailure after {time.monotonic() - start:.1f} s: {exc}"
+                                   lambda: comm.all_reduce(x, async_op=True).synchronize(),
+                                   named=True)
+        took = time.monotonic() - start
+    store.close()
+    return _within(f"PeerFailure after {took:.1f} s: {exc}", start, PEER_FAILURE_BOUND, took)
+
+
+def stopped_peer(rank: int, n: int, addr: str, arrays: Any, device: int | None) -> str:
+    """Rank 1 is stopped (SIGSTOP) while the others are in an all_reduce: alive but silent, so
+    their call must end by its 3 s deadline naming it; rank 0 then kills it."""
+    import signal
+
+    from gpucoll.store import TCPStore, parse_address
+
+    store = TCPStore(*parse_address(addr), timeout=60)
+    comm = create("nccl", rank=rank, world_size=n, store=addr, timeout=60, device=device)
+    x = arrays.put(np.ones(1024, np.float32))
+    comm.barrier()
+    if rank == 1:
+        store.set("selftest/pid", str(os.getpid()))
+        _others_in_call(store, rank, n)
+        os.kill(os.getpid(), signal.SIGSTOP)
+        return ""  # not reached: rank 0 kills this process
+    store.set(IN_CALL.format(rank), "1")
+    start = time.monotonic()
+    exc = fails_without_rank_1("an all_reduce", CollectiveTimeout, lambda: comm.all_reduce(
+        x, async_op=True, timeout=3).synchronize(), named=True)
+    took = time.monotonic() - start
+    comm.close()
+    store.set(f"selftest/timed-out/{rank}", "1")
+    if rank == 0:
+        store.wait([f"selftest/timed-out/{r}" for r in range(n) if r != 1], timeout=60)
+        os.kill(int(store.get("selftest/pid", timeout=60)), signal.SIGKILL)
+    store.close()
+    return _within(f"CollectiveTimeout after {took:.1f} s (deadline 3 s): {exc}", start,
+                   3 + SLACK, took)
+
+
+def shrink_after_loss(rank: int, n: int, addr: str, arrays: Any, device: int | None) -> str:
+    """Rank 1 is killed during an all_reduce; the others shrink the group and all_reduce on
+    what is left (with ncclCommShrink where NCCL has it, else a fresh communicator of the
+    survivors: it must work either way)."""
+    import signal
+
+    from gpucoll.store import TCPStore, parse_address
+
+    store = TCPStore(*parse_address(addr), timeout=60)
+    comm = create("nccl", rank=rank, world_size=n, store=addr, timeout=60, device=device)
+    x = arrays.put(np.ones(1024, np.float32))
+    comm.barrier()
+    if rank == 1:
+        _others_in_call(store, rank, n)
+        os.kill(os.getpid(), signal.SIGKILL)
+    store.set(IN_CALL.format(rank), "1")
+    fails_without_rank_1("an all_reduce", PeerFailure,
+                         lambda: comm.all_reduce(x, async_op=True).synchronize(), named=True)
+    sub = comm.shrink(timeout=30)
+    try:
+        y = arrays.put(np.array([rank + 1.0], np.float32))
+        sub.all_reduce(y)
+        total, size = float(arrays.get(y)[0]), sub.size
+    finally:
+        sub.close()
+        comm.close()
+        store.close()
+    want = sum(r + 1.0 for r in range(n) if r != 1)
+    if (size, total) != (n - 1, want):
+        raise AssertionError(f"the shrunk group has {size} rank(s) and sums to {total}; "
+                             f"expected {n - 1} and {want}")
+    return f"shrunk to {size} rank(s) without rank 1; its all_reduce is right"
+
+
+def uneven_and_objects(rank: int, n: int, addr: str, arrays: Any, device: int | None) -> str:
+    """all_gather_v, reduce_scatter_v and all_to_all_v with a different row count per rank,
+    then the object collectives, against NumPy and Python."""
+    comm = create("nccl", rank=rank, world_size=n, store=addr, timeout=60, device=device)
+    rows = [(r % 3) + 1 for r in range(n)]  # 1, 2, 3, 1, ... rows on rank r
+    part = [_values(np.dtype(np.float32), (rows[r], 4), r) for r in range(n)]
+    wrong = []
+    with comm:
+        got = comm.all_gather_v(arrays.put(part[rank]))
+        if not all(np.array_equal(arrays.get(g), p) for g, p in zip(got, part, strict=True)):
+            wrong.append("all_gather_v")
+        full = [_values(np.dtype(np.int64), (sum(rows), 2), r) for r in range(n)]
+        got = comm.reduce_scatter_v(arrays.put(full[rank]), rows)
+        lo = sum(rows[:rank])
+        if not np.array_equal(arrays.get(got), sum(full)[lo:lo + rows[rank]]):
+            wrong.append("reduce_scatter_v")
+        chunks = [_values(np.dtype(np.int32), (rows[j], 3), rank * n + j) for j in range(n)]
+        got = comm.all_to_all_v([arrays.put(c) for c in chunks])
+        want = [_values(np.dtype(np.int32), (rows[rank], 3), j * n + rank) for j in range(n)]
+        if not all(np.array_equal(arrays.get(g), w) for g, w in zip(got, want, strict=True)):
+            wrong.append("all_to_all_v")
+        mine = {"rank": rank, "text": "x" * (rank * 100)}
+        if comm.all_gather_object(mine) != [{"rank": r, "text": "x" * (r * 100)}
+                                            for r in range(n)]:
+            wrong.append("all_gather_object")
+        if comm.broadcast_object(mine if rank == n - 1 else None, root=n - 1) != {
+                "rank": n - 1, "text": "x" * ((n - 1) * 100)}:
+            wrong.append("broadcast_object")
+    if wrong:
+        raise AssertionError(f"wrong: {', '.join(wrong)}")
+    return f"all_gather_v, reduce_scatter_v, all_to_all_v ({rows[:n]} rows), objects right"
+
+
+def batch_ring(rank: int, n: int, addr: str, arrays: Any, device: int | None) -> str:
+    """batch_isend_irecv: each rank sends to the next and receives from the previous, in one
+    batch, both directions."""
+    from gpucoll.batch import P2POp
+
+    comm = create("nccl", rank=rank, world_size=n, store=addr, timeout=60, device=device)
+    nxt, prev = (rank + 1) % n, (rank - 1) % n
+    with comm:
+        a, b = arrays.put(np.zeros(1000, np.float64)), arrays.put(np.zeros(7, np.int32))
+        works = comm.batch_isend_irecv([
+            P2POp("isend", arrays.put(np.full(1000, rank, np.float64)), nxt),
+            P2POp("irecv", a, prev),
+            P2POp("isend", arrays.put(np.full(7, rank, np.int32)), prev),
+            P2POp("irecv", b, nxt)])
+        for w in works:
+            w.wait()
+        if not (np.all(arrays.get(a) == prev) and np.all(arrays.get(b) == nxt)):
+            raise AssertionError("batch_isend_irecv delivered the wrong data")
+    return "a ring of sends and receives both ways in one batch"
+
+
+def async_work(rank: int, n: int, addr: str, arrays: Any, device: int | None) -> str:
+    """Eight all_reduces in flight at once, waited on in reverse order (``wait``: the current
+    stream waits), read back, then each ``synchronize``d and completed."""
+    comm = create("nccl", rank=rank, world_size=n, store=addr, timeout=60, device=device)
+    with comm:
+        xs = [arrays.put(np.full(4096, rank + i, np.float32)) for i in range(8)]
+        works = [comm.all_reduce(x, async_op=True) for x in xs]
+        for w in reversed(works):
+            w.wait()
+        for i, x in enumerate(xs):
+            if not np.all(arrays.get(x) == sum(r + i for r in range(n))):
+                raise AssertionError(f"async all_reduce #{i} is wrong")
+        for w in works:
+            w.synchronize()
+        if not all(w.is_completed() for w in works):
+            raise AssertionError("a synchronized Work says it is not completed")
+    return "8 async all_reduces in flight, each right"
+
+
+def new_group_of_evens(rank: int, n: int, addr: str, arrays: Any, device: int | None) -> str:
+    """new_group of the even ranks: its all_reduce sums only them; the odd ranks get None."""
+    comm = create("nccl", rank=rank, world_size=n, store=addr, timeout=60, device=device)
+    evens = list(range(0, n, 2))
+    with comm:
+        group = comm.new_group(evens)
+        if (group is None) != (rank % 2 == 1):
+            raise AssertionError(f"rank {rank} got {group!r} from new_group({evens})")
+        if group is not None:
+            with group:
+                y = arrays.put(np.array([rank + 1.0], np.float64))
+                group.all_reduce(y)
+                if float(arrays.get(y)[0]) != sum(r + 1.0 for r in evens):
+                    raise AssertionError(f"new_group({evens})'s all_reduce is wrong")
+        comm.barrier()
+    return f"new_group({evens}) sums its members only"
+
+
+def other_libraries(rank: int, n: int, addr: str, arrays: Any, device: int | None) -> str:
+    """all_reduce on a torch CUDA tensor and on a JAX GPU array, where they are installed with
+    GPU support; Skipped where neither is."""
+    makers, missing = [], []
+    try:
+        import torch
+
+        if not torch.cuda.is_available():
+            raise ImportError("torch has no CUDA")
+        makers.append(("torch", lambda a: torch.as_tensor(a, device=f"cuda:{comm_device()}"),
+                       lambda t: t.cpu().numpy()))
+    except ImportError as exc:
+        missing.append(f"torch ({exc})")
+    try:
+        import jax
+
+        if not jax.devices("gpu"):
+            raise ImportError("JAX sees no GPU")
+        makers.append(("JAX", lambda a: jax.device_put(a, jax.devices("gpu")[comm_device()]),
+                       np.asarray))
+    except Exception as exc:  # noqa: BLE001 - JAX raises RuntimeError without a GPU
+        missing.append(f"JAX ({type(exc).__name__}: {exc})")
+    if not makers:
+        return Skipped("neither installed with GPU support: " + "; ".join(missing))
+    comm = create("nccl", rank=rank, world_size=n, store=addr, timeout=60, device=device)
+
+    def comm_device() -> int:
+        return cuda.runtime().current_device()
+
+    done = []
+    with comm:
+        for name, make, read in makers:
+            x = make(np.full(1000, rank + 1.0, np.float32))
+            out = comm.all_reduce(x)
+            got = read(out if out is not None else x)
+            if not np.all(got == n * (n + 1) / 2):
+                raise AssertionError(f"all_reduce on a {name} array is wrong")
+            done.append(name)
+    return f"all_reduce right on {', '.join(done)} arrays" + (
+        f" (not installed with GPU support: {'; '.join(missing)})" if missing else "")
+
+
+LOSES_RANK_1 = (dead_peer, stopped_peer, shrink_after_loss)
 
 
 def stream_race(rank: int, n: int, addr: str, arrays: Any, device: int | None) -> str:

@@ -25,10 +25,12 @@ def _store(addr: str) -> TCPStore:
 
 
 def _only_the_store_steps(store: TCPStore, rank: int, n: int) -> None:
-    """What a rank does of NCCL's start-up before it enters NCCL: arrive, read the id."""
+    """What a rank does of NCCL's start-up before it enters NCCL: arrive, say which GPU it
+    drives (its own), read the id."""
     ns = PrefixStore("g/", store)
     liveness = Liveness.of(ns, rank, n)
     nccl_backend.arrive(ns, rank, n, 30, liveness)
+    nccl_backend.share_gpus(ns, rank, n, None, f"rank{rank}/gpu", 30, liveness)
     nccl_backend.share_unique_id(ns, rank, None, 30, liveness)
 
 

@@ -43,14 +43,17 @@ import ctypes
 import hashlib
 import os
 import pickle
+import socket
 import threading
 import time
+import types
 import weakref
 from typing import Any
 
 import ml_dtypes
 import nccl.core as _nc
 import numpy as np
+import packaging.version
 from cuda_emulation import CudaEmulation, FakeDeviceArray, Misuse, host_view
 from nccl.bindings.nccl import NCCLError
 
@@ -77,21 +80,14 @@ CONNECT_S = 0.02  # what making one algorithm's (or one pair's) connections take
 REMOTE_ERROR_S = 1.0  # how long a broken connection to a peer takes to become ncclRemoteError
 
 
-def two_ranks_per_gpu() -> bool:
-    """Whether the emulation, which reports the installed NCCL's version, stands for an NCCL that
-    accepts two ranks on one GPU (>= 2.30, asked with NCCL_MULTI_RANK_GPU_ENABLE=1)."""
-    from gpucoll.backends.nccl.backend import library_version, several_ranks_per_gpu
-
-    return several_ranks_per_gpu(library_version(_nc), {"NCCL_MULTI_RANK_GPU_ENABLE": "1"})
-
-
 class EmulatedRuntime(CudaEmulation):
     """The CUDA emulation with an emulated nccl4py; ``store_addr`` carries NCCL's traffic."""
 
-    def __init__(self, store_addr: str, devices: int = 8, hang_timeout: float = 30.0):
+    def __init__(self, store_addr: str, devices: int = 8, hang_timeout: float = 30.0,
+                 nccl_version: str | None = None):
         super().__init__(devices, hang_timeout)
         self.store = TCPStore(*parse_address(store_addr), timeout=60.0)
-        self.module = EmulatedNccl(self)
+        self.module = EmulatedNccl(self, nccl_version)
         self.bindings = EmulatedBindings(self.module)
 
     def nccl(self) -> EmulatedNccl:
@@ -125,14 +121,27 @@ class EmulatedNccl:
     UniqueId = _nc.UniqueId
     NcclInvalid = _nc.NcclInvalid
     get_unique_id = staticmethod(_nc.get_unique_id)
-    get_version = staticmethod(_nc.get_version)
 
-    def __init__(self, rt: EmulatedRuntime):
+    def __init__(self, rt: EmulatedRuntime, version: str | None = None):
         self.rt = rt
+        self.version = version  # the NCCL it stands for; None: the installed one
         self._local = threading.local()
         self.Communicator = type("Communicator", (Communicator,), {"_rt": rt, "_module": self})
         self.handles: weakref.WeakValueDictionary = weakref.WeakValueDictionary()
         self._env_blocking: int | None = None
+
+    def get_version(self) -> Any:
+        """nccl4py's version report, with ``libnccl.version`` this emulation's NCCL."""
+        real = _nc.get_version()
+        if self.version is None:
+            return real
+        return types.SimpleNamespace(nccl4py=real.nccl4py, libnccl=types.SimpleNamespace(
+            version=packaging.version.Version(self.version)))
+
+    def older_than(self, major: int, minor: int) -> bool:
+        """Whether the NCCL this stands for is older than ``major.minor``."""
+        release = self.get_version().libnccl.version.release
+        return tuple(release[:2]) < (major, minor)
 
     def blocking(self, config: Any, inherited: bool | None = None) -> bool:
         """Whether a communicator made with ``config`` blocks. NCCL_COMM_BLOCKING=0 or 1
@@ -326,9 +335,19 @@ class Communicator:
         self.connections: list[tuple] = []  # the channels connected, in order
 
     def _join(self) -> None:
-        """Init: every rank enters; NCCL refuses two ranks on one GPU unless allowed."""
-        gpus = self._meet("init", range(self._size), self._rt.device_identity(self._device))
-        if len(set(gpus)) != len(gpus) and os.environ.get("NCCL_MULTI_RANK_GPU_ENABLE") != "1":
+        """Init: every rank enters; NCCL refuses two ranks on one GPU unless allowed. Before
+        2.30 it refuses a peer whose host hash and bus id both equal its own ("Duplicate GPU
+        detected", src/init.cc), the host hash being NCCL_HOSTID's when set, else the host
+        name's (src/misc/utils.cc, getHostHash); from 2.30 it refuses ranks on one GPU unless
+        NCCL_MULTI_RANK_GPU_ENABLE=1."""
+        host = os.environ.get("NCCL_HOSTID") or socket.gethostname()
+        mine = pickle.dumps((host, self._rt.device_identity(self._device)))
+        peers = [pickle.loads(v) for v in self._meet("init", range(self._size), mine)]
+        if self._module.older_than(2, 30):
+            if len(set(peers)) != len(peers):
+                raise _Refused(INVALID_USAGE, "Duplicate GPU detected")
+        elif (len({gpu for _, gpu in peers}) != len(peers)
+              and os.environ.get("NCCL_MULTI_RANK_GPU_ENABLE") != "1"):
             raise _Refused(INVALID_USAGE, "Multiple Ranks are using the same GPU/Partition. Set "
                                           "NCCL_MULTI_RANK_GPU_ENABLE=1 to enable this")
 

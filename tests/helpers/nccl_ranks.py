@@ -8,6 +8,8 @@ against NumPy, and finally asserts that the emulated NCCL saw no misuse.
 from __future__ import annotations
 
 import contextlib
+import io
+import os
 import time
 
 import ml_dtypes
@@ -523,3 +525,71 @@ def host_array_without_its_peer(rank: int, n: int, addr: str, dies: bool) -> str
                 return f"{time.monotonic() - started:.1f} s: {exc}"
         finally:
             store.close()
+
+
+SHARED_GPU_VARIABLES = ("NCCL_HOSTID", "NCCL_MULTI_RANK_GPU_ENABLE")
+
+
+def on_one_gpu(rank: int, n: int, addr: str, version: str) -> tuple[dict, str]:
+    """``backend="nccl"`` with every rank on the one GPU of an emulated NCCL ``version``:
+    checks all-reduce, broadcast, all-gather and reduce-scatter against NumPy; returns the
+    variables NCCL saw and what the rank wrote on stderr."""
+    err = io.StringIO()
+    with contextlib.redirect_stderr(err), \
+            emulated(addr, rank, n, devices=1, nccl_version=version) as (rt, comm):
+        assert comm.backend == "nccl"
+        for op, dtype in (("sum", np.float32), ("max", np.int64), ("avg", np.float64)):
+            x = dev(rt, data(rank, (3, 5), dtype))
+            comm.all_reduce(x, op=op)
+            check_reduced(x.get(), op, [data(r, (3, 5), dtype) for r in range(n)], op)
+        for root in range(n):
+            x = dev(rt, data(rank, (4,), np.float32))
+            comm.broadcast(x, root=root)
+            np.testing.assert_array_equal(x.get(), data(root, (4,), np.float32))
+        parts = [data(r, (2, 3), np.int32) for r in range(n)]
+        np.testing.assert_array_equal(comm.all_gather(dev(rt, parts[rank])).get(),
+                                      np.stack(parts))
+        full = [data(r, (n, 2), np.float32) for r in range(n)]
+        got = comm.reduce_scatter(dev(rt, full[rank]))
+        np.testing.assert_allclose(got.get(), sum(f[rank] for f in full), rtol=1e-6)
+    return {k: os.environ[k] for k in SHARED_GPU_VARIABLES if os.environ.get(k)}, err.getvalue()
+
+
+def refused_on_one_gpu(rank: int, n: int, addr: str, version: str) -> str:
+    """``backend="nccl"`` on one emulated GPU where the environment forbids sharing it: the
+    error each rank gets."""
+    rt = EmulatedRuntime(addr, devices=1, nccl_version=version)
+    cuda.set_runtime(rt)
+    try:
+        create("nccl", rank=rank, world_size=n, store=addr, timeout=20)
+    except Exception as exc:  # noqa: BLE001 - the test reads which error it was
+        return f"{type(exc).__name__}: {exc}"
+    finally:
+        rt.close()
+        cuda.set_runtime(None)
+    return "no error"
+
+
+def raw_init_on_one_gpu(rank: int, n: int, addr: str, version: str, hostids: list) -> str:
+    """nccl4py's ``Communicator.init`` straight on the emulation (no gpucoll start-up), every
+    rank on device 0 with NCCL_HOSTID ``hostids[rank]`` ("" for none): "ok" or NCCL's error."""
+    from gpucoll.store import TCPStore, parse_address
+
+    if hostids[rank]:
+        os.environ["NCCL_HOSTID"] = hostids[rank]
+    rt = EmulatedRuntime(addr, devices=1, nccl_version=version)
+    store = TCPStore(*parse_address(addr), timeout=30)
+    nc = rt.nccl()
+    try:
+        if rank == 0:
+            store.set("raw/uid", bytes(nc.get_unique_id()))
+        uid = nc.UniqueId.from_bytes(store.get("raw/uid", timeout=30))
+        try:
+            comm = nc.Communicator.init(n, rank, uid)
+        except Exception as exc:  # noqa: BLE001 - the test reads NCCL's refusal
+            return f"{type(exc).__name__}: {exc}"
+        comm.destroy()
+        return "ok"
+    finally:
+        store.close()
+        rt.close()

@@ -50,3 +50,17 @@ def setup_wrong(addr: str) -> EmulatedArrays:
     rt = EmulatedRuntime(addr, devices=2)
     cuda.set_runtime(rt)
     return WrongArrays(rt)
+
+
+def setup_one_gpu(addr: str) -> EmulatedArrays:
+    """One emulated device, for ``gpucoll selftest --ranks N``: every rank shares it."""
+    rt = EmulatedRuntime(addr, devices=1)
+    cuda.set_runtime(rt)
+    return EmulatedArrays(rt)
+
+
+def setup_one_gpu_nccl_2_28(addr: str) -> EmulatedArrays:
+    """``setup_one_gpu`` with an NCCL older than 2.30 (ranks on one GPU need NCCL_HOSTID)."""
+    rt = EmulatedRuntime(addr, devices=1, nccl_version="2.28.9")
+    cuda.set_runtime(rt)
+    return EmulatedArrays(rt)

@@ -44,10 +44,17 @@ reduce-scatter is a group of reduces, one per rank, each to the rank that owns t
 ``backend="auto"`` (``agree``) picks NCCL where it works for every rank, else the host ring: each
 rank judges itself (CuPy, a CUDA device, nccl4py and its library, which GPU it would drive) and
 publishes its verdict in the group's store, and all ranks apply the same rule to the same
-verdicts, so they agree without a leader. NCCL refuses several ranks of one communicator on one
-GPU unless NCCL >= 2.30 is asked to allow it with NCCL_MULTI_RANK_GPU_ENABLE=1 (and NVLS is not
-forced on), so ranks that would share a GPU get the ring otherwise; the reason names the first
-rank (or GPU) that rules NCCL out.
+verdicts, so they agree without a leader. Ranks that would share a GPU get the ring
+(NCCL there has not been measured against it); the reason names the first rank (or GPU) that
+rules NCCL out.
+
+``backend="nccl"`` runs several ranks on one GPU (``shared_gpu_settings``): NCCL refuses two ranks
+of a communicator on one GPU, before 2.30 only when their host hash and bus id are equal
+("Duplicate GPU detected", NCCL's src/init.cc; the host hash is NCCL_HOSTID's when set,
+src/misc/utils.cc getHostHash), from 2.30 unless NCCL_MULTI_RANK_GPU_ENABLE=1. So ranks that
+share a GPU get distinct NCCL_HOSTID values before 2.30 (NCCL then joins them over its socket
+transport) and NCCL_MULTI_RANK_GPU_ENABLE=1 from 2.30, set before the process's first NCCL call
+(NCCL reads its parameters once).
 """
 
 from __future__ import annotations
@@ -58,6 +65,7 @@ import dataclasses
 import json
 import os
 import socket
+import sys
 import threading
 import time
 from collections.abc import Callable, Sequence
@@ -168,6 +176,81 @@ def share_unique_id(store: Any, rank: int, nc: Any, timeout: float, liveness: Li
     return raw
 
 
+GPU_KEY = "nccl/gpu/{}"
+_said_shared: list[str] = []  # the shared-GPU line, once per process
+
+
+def share_gpus(store: Any, rank: int, size: int, nc: Any, gpu: str, timeout: float,
+               liveness: Liveness | None) -> None:
+    """Collective, before the first NCCL call: every rank publishes the GPU it drives
+    (host/bus id); where ranks share one, set what the installed NCCL needs to accept that
+    (``shared_gpu_settings``) and say so once on stderr. BackendUnavailable where the
+    environment forbids it."""
+    keys = [GPU_KEY.format(r) for r in range(size)]
+    store.set(keys[rank], json.dumps([gpu, os.environ.get("NCCL_HOSTID", "")]))
+    peers = [json.loads(v) for v in gather(
+        store, keys, timeout, what="NCCL start-up", rank=rank,
+        absent="did not say which GPU it drives", liveness=liveness)]
+    gpus = [g for g, _ in peers]
+    if len(set(gpus)) == len(gpus):
+        return
+    settings, line = shared_gpu_settings(library_version(nc), gpus, rank,
+                                         hostids=[h for _, h in peers])
+    os.environ.update(settings)
+    if line and line not in _said_shared:
+        _said_shared.append(line)
+        print(line, file=sys.stderr, flush=True)
+
+
+def shared_gpu_settings(version: str, gpus: list[str], rank: int, environ: Any = None,
+                        hostids: list[str] | None = None) -> tuple[dict[str, str], str]:
+    """What rank ``rank`` sets so that NCCL ``version`` accepts ranks on one GPU (``gpus``: the
+    GPU of each rank; ``hostids``: the NCCL_HOSTID each rank's user set, "" for none), and the
+    line that says so (rank 0's; empty on the others).
+
+    NCCL < 2.30 refuses two ranks whose host hash and bus id are equal: a rank with no
+    NCCL_HOSTID gets ``<host>/gpucoll-<k>``, k its place among the ranks on its GPU, so ranks on
+    one GPU differ and ranks on different GPUs of one host still share a host; a user's
+    NCCL_HOSTID is kept, and refused where it equals another rank's on the same GPU. NCCL >= 2.30
+    needs NCCL_MULTI_RANK_GPU_ENABLE=1; the user's 0, or NCCL_NVLS_ENABLE=1, forbids it."""
+    env = os.environ if environ is None else environ
+    numbers = tuple(int(p) for p in version.split(".")[:2] if p.isdigit())
+    shared = sorted({g for g in gpus if gpus.count(g) > 1})
+    ranks = [r for r, g in enumerate(gpus) if g == shared[0]]
+    where = f"ranks {', '.join(map(str, ranks))} share GPU {shared[0]}" + (
+        f" (and {len(shared) - 1} other GPU(s) have several ranks)" if len(shared) > 1 else "")
+    if numbers >= MULTI_RANK_GPU_VERSION:
+        if (env.get("NCCL_MULTI_RANK_GPU_ENABLE") or "1") != "1":
+            raise BackendUnavailable(
+                f"nccl backend on rank {rank}: {where}, and NCCL {version} accepts that only with "
+                f"NCCL_MULTI_RANK_GPU_ENABLE=1, which this environment sets to "
+                f"{env['NCCL_MULTI_RANK_GPU_ENABLE']!r}: unset it, or use backend='ring'")
+        if env.get("NCCL_NVLS_ENABLE", "") == "1":
+            raise BackendUnavailable(
+                f"nccl backend on rank {rank}: {where}, and NCCL refuses several ranks on one GPU "
+                f"with NCCL_NVLS_ENABLE=1: unset it, or use backend='ring'")
+        settings = {"NCCL_MULTI_RANK_GPU_ENABLE": "1"}
+        how = "NCCL_MULTI_RANK_GPU_ENABLE=1"
+    else:
+        hostids = hostids or [env.get("NCCL_HOSTID", "") if r == rank else ""
+                              for r in range(len(gpus))]
+        ids = [h or f"{g.split('/', 1)[0]}/gpucoll-{gpus[:r].count(g)}"
+               for r, (g, h) in enumerate(zip(gpus, hostids, strict=True))]
+        pairs = list(zip(ids, gpus, strict=True))
+        clash = [r for r, p in enumerate(pairs) if pairs.count(p) > 1]
+        if clash:
+            raise BackendUnavailable(
+                f"nccl backend on rank {rank}: ranks {', '.join(map(str, clash))} share GPU "
+                f"{gpus[clash[0]]} with the same NCCL_HOSTID {ids[clash[0]]!r}, and NCCL "
+                f"{version} refuses that (\"Duplicate GPU detected\"): give each rank its own "
+                f"NCCL_HOSTID, or unset it and gpucoll sets one per rank")
+        settings = {} if hostids[rank] else {"NCCL_HOSTID": ids[rank]}
+        how = ("a distinct NCCL_HOSTID per rank on one GPU, so NCCL joins them over sockets"
+               + (" (the user's where set)" if any(hostids) else ""))
+    line = (f"gpucoll: {where}; NCCL {version} runs them with {how}" if rank == 0 else "")
+    return settings, line
+
+
 def enter(store: Any, rank: int) -> None:
     """Mark that this rank is about to enter NCCL's start-up (``ncclCommInitRankConfig``)."""
     store.set(ENTER_KEY.format(rank), str(rank))
@@ -230,6 +313,8 @@ class NcclBackend(Backend):
         ``store``, all within one deadline."""
         deadline = time.monotonic() + timeout
         arrive(store, rank, size, timeout, liveness)
+        share_gpus(store, rank, size, nc, f"{socket.gethostname()}/"
+                   f"{self._rt.device_identity(self.device)}", _left(deadline), liveness)
         uid = share_unique_id(store, rank, nc, _left(deadline), liveness)
         enter(store, rank)
         with self._rt.using_device(self.device):
@@ -1076,18 +1161,9 @@ def library_version(nc: Any) -> str:
     return str(lib.version)
 
 
-def several_ranks_per_gpu(version: str, environ: Any = None) -> bool:
-    """Whether NCCL ``version`` will accept several ranks of one communicator on one GPU."""
-    env = os.environ if environ is None else environ
-    numbers = tuple(int(p) for p in version.split(".")[:2] if p.isdigit())
-    return (env.get("NCCL_MULTI_RANK_GPU_ENABLE", "") == "1"
-            and numbers >= MULTI_RANK_GPU_VERSION and env.get("NCCL_NVLS_ENABLE", "") != "1")
-
-
 def local_verdict(rt: Any = None, *, rank: int = 0, device: Any = None) -> dict[str, Any]:
     """Whether this process can run the NCCL backend and why (never raises): ``ok``, ``why``,
-    and when ok, ``gpu`` (host and PCI bus id of the device it would drive) and
-    ``shareable`` (NCCL here accepts other ranks on that GPU)."""
+    and when ok, ``gpu`` (host and PCI bus id of the device it would drive)."""
     rt = cuda.runtime() if rt is None else rt
     ok, why = rt.available()
     if not ok:
@@ -1105,8 +1181,7 @@ def local_verdict(rt: Any = None, *, rank: int = 0, device: Any = None) -> dict[
         gpu = f"{socket.gethostname()}/{rt.device_identity(chosen)}"
     except Exception as exc:  # noqa: BLE001
         return {"ok": False, "why": f"no device to drive ({type(exc).__name__}: {exc})"}
-    return {"ok": True, "why": f"{why}, NCCL {version}, device {chosen}", "gpu": gpu,
-            "shareable": several_ranks_per_gpu(version)}
+    return {"ok": True, "why": f"{why}, NCCL {version}, device {chosen}", "gpu": gpu}
 
 
 def decide(verdicts: list[dict[str, Any]], rank: int) -> tuple[str, str]:
@@ -1120,12 +1195,12 @@ def decide(verdicts: list[dict[str, Any]], rank: int) -> tuple[str, str]:
     for r, v in enumerate(verdicts):
         by_gpu.setdefault(v["gpu"], []).append(r)
     shared = [(gpu, ranks) for gpu, ranks in by_gpu.items() if len(ranks) > 1]
-    if shared and not all(v["shareable"] for v in verdicts):
+    if shared:
         gpu, ranks = shared[0]
         return "ring", (
             f"auto: the host ring, because ranks {', '.join(map(str, ranks))} would share GPU "
-            f"{gpu}, and NCCL refuses several ranks on one GPU unless every rank runs NCCL >= "
-            f"2.30 with NCCL_MULTI_RANK_GPU_ENABLE=1 (and without NCCL_NVLS_ENABLE=1)")
+            f"{gpu}, where NCCL is not known to be faster than the ring; backend='nccl' runs "
+            f"NCCL there")
     return "nccl", f"auto: every rank can use NCCL (rank {rank}: {verdicts[rank]['why']})"
 
 
