@@ -5,6 +5,7 @@ the rule that `image` tests (container builds, many minutes) run only when asked
 from __future__ import annotations
 
 import functools
+import os
 import pathlib
 import sys
 
@@ -13,6 +14,11 @@ import pytest
 # The modules tests share (the spawn helper, the emulations, case tables) live in tests/helpers/;
 # tests import them by their own names, and so do the ranks they start
 sys.path.insert(0, str(pathlib.Path(__file__).resolve().parent / "helpers"))
+
+# Thousands of ranks start in a run: with PYTHONDONTWRITEBYTECODE (set on some machines) each
+# would compile the package anew, a third of the fast tier's time. Compiled once, then read.
+os.environ.pop("PYTHONDONTWRITEBYTECODE", None)
+sys.dont_write_bytecode = False
 
 
 @functools.cache

@@ -85,6 +85,7 @@ def test_rounds_merge_into_median_times_with_bandwidths_recomputed():
     assert merged["rounds"] == 3
 
 
+@pytest.mark.slow
 def test_steadiness_runs_the_same_sweep_twice_and_compares_them_size_by_size(capsys, tmp_path):
     path = PATH.parent / "steadiness.py"
     spec_ = importlib.util.spec_from_file_location("bench_steadiness", path)

@@ -8,10 +8,11 @@ from __future__ import annotations
 import mpi_ranks as ranks
 import pytest
 from multiproc import spawn
+from tiers import grid
 
 pytestmark = pytest.mark.timeout(120)
 
-BACKENDS = ["shm", "tcp", "nccl"]
+BACKENDS = grid(["shm", "tcp", "nccl"], ["shm", "nccl"])
 SLOW_WORLDS = [pytest.param(n, marks=pytest.mark.slow) for n in (3, 4)]
 
 

@@ -7,12 +7,15 @@ import subprocess
 import sys
 from pathlib import Path
 
+import pytest
+
 ROOT = Path(__file__).resolve().parent.parent
 BENCH = ROOT / "benchmarks" / "call_overhead.py"
 COLLECTIVES = ("all_reduce", "reduce", "broadcast", "all_gather", "gather", "scatter",
                "reduce_scatter", "all_to_all", "send", "recv")
 
 
+@pytest.mark.slow
 def test_call_overhead_benchmark_times_every_collective_with_and_without_out(tmp_path):
     out = tmp_path / "call_overhead.json"
     proc = subprocess.run([sys.executable, str(BENCH), "--calls", "20", "--json", str(out)],

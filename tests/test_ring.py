@@ -363,6 +363,7 @@ def test_ranks_on_two_hosts_use_shm_inside_a_host_and_tcp_across(store_addr):
     assert links[3] == {0: "tcp", 1: "tcp", 2: "shm"}
 
 
+@pytest.mark.slow
 def test_tiny_shared_memory_rings_still_carry_every_collective(store_addr):
     spawn(_run_collectives, 3, store_addr, "shm", "float64", timeout=100,
           env={"GPUCOLL_SHM_RING_BYTES": "4096"})

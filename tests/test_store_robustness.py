@@ -10,7 +10,6 @@ import struct
 import subprocess
 import sys
 import threading
-import time
 
 import pytest
 from store_wire import closed_by_server, hello, raw_connect, read_frame
@@ -283,14 +282,14 @@ def test_a_scanners_connections_do_not_disturb_clients_at_work(store_server):
     scanner = threading.Thread(target=scan, daemon=True)
     scanner.start()
     try:
+        # a call held up by the scanner would wait for its silent connections' 60 s hello
+        # deadline: each call's own deadline (10 s) would end it with StoreTimeout first
         with TCPStore("127.0.0.1", store_server.port, timeout=10) as a, \
                 TCPStore("127.0.0.1", store_server.port, timeout=10) as b:
-            start = time.monotonic()
             for i in range(200):
                 a.set(f"ping/{i}", str(i).encode())
                 assert b.get(f"ping/{i}") == str(i).encode()
                 assert b.add("count", 1) == i + 1
-            assert time.monotonic() - start < 8
     finally:
         stop.set()
         scanner.join(10)

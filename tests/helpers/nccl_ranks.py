@@ -293,13 +293,17 @@ def peer_aborts(rank: int, n: int, addr: str) -> tuple[str, str] | None:
     """Rank 1 aborts while rank 0 waits for it in an all_reduce: rank 0 learns it from the
     store, with the reason, long before its deadline. Returns (error type, text) on rank 0."""
     from gpucoll.errors import GpucollError
+    from gpucoll.store import TCPStore, parse_address
 
+    side = TCPStore(*parse_address(addr), timeout=60)  # the test's own coordination
     with emulated(addr, rank, n) as (rt, comm):
         x = dev(rt, np.ones(4, np.float32))
         comm.barrier()
-        if rank == 1:
+        if rank == 1:  # once rank 0 is past the barrier: an abort during it would end it too
+            side.wait(["test/past-barrier"], timeout=60)
             comm.abort("the loss is NaN at step 7")
             return None
+        side.set("test/past-barrier", b"1")
         start = time.monotonic()
         try:
             comm.all_reduce(x, async_op=True).synchronize()
