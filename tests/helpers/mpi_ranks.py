@@ -15,7 +15,6 @@ import time
 import numpy as np
 
 import gpucoll
-from gpucoll import cuda
 
 TIMEOUT = 30.0
 
@@ -28,23 +27,10 @@ def world(rank: int, n: int, addr: str, backend: str):
         with gpucoll.init("ring", rank=rank, world_size=n, store=addr, timeout=TIMEOUT) as comm:
             yield comm
         return
-    from nccl_emulation import EmulatedRuntime
+    from nccl_ranks import emulated
 
-    from gpucoll.default import create
-
-    rt = EmulatedRuntime(addr, hang_timeout=20)
-    cuda.set_runtime(rt)
-    comm = None
-    try:
-        comm = create("nccl", rank=rank, world_size=n, store=addr, timeout=TIMEOUT)
+    with emulated(addr, rank, n, timeout=TIMEOUT, hang_timeout=20) as (_, comm):
         yield comm
-        rt.synchronize()
-        assert rt.misuse == [], rt.misuse
-    finally:
-        if comm is not None:
-            comm.close()
-        rt.close()
-        cuda.set_runtime(None)
 
 
 def outcome(fn) -> tuple[str, str]:
