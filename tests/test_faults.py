@@ -239,11 +239,15 @@ def test_a_rank_killed_mid_collective_is_named_by_every_survivor(store_addr, tra
     _check_rank_1_killed_in_an_all_reduce(outcomes)
 
 
-def _killed_before_small_async_all_reduce(rank, n, addr):
+def _killed_before_a_small_async_call(rank, n, addr, call):
+    """Rank 1 dies once past a barrier; the others issue ``call`` with async_op=True (issued
+    without error) and report what its wait raised."""
     side = _side(addr)
     with _open(rank, n, addr) as comm:
         _barrier_then_die(comm, side, 1)
-        work = comm.all_reduce(np.ones(4, np.float32), async_op=True)  # issued without error
+        x = np.ones(4, np.float32)
+        work = (comm.all_reduce(x, async_op=True) if call == "all_reduce"
+                else comm.broadcast(x, root=1, async_op=True))
         try:
             work.wait()
         except GpucollError as exc:
@@ -254,27 +258,16 @@ def _killed_before_small_async_all_reduce(rank, n, addr):
 @pytest.mark.parametrize("n", WORLDS)
 def test_a_rank_killed_before_a_small_async_all_reduce_fails_its_wait_naming_it_fast(
         store_addr, transport, n):
-    outcomes = spawn(_killed_before_small_async_all_reduce, n, store_addr, env=_env(transport),
-                     check=False)
+    outcomes = spawn(_killed_before_a_small_async_call, n, store_addr, "all_reduce",
+                     env=_env(transport), check=False)
     _check_rank_1_killed_in_an_all_reduce(outcomes)
-
-
-def _root_killed_before_small_async_broadcast(rank, n, addr):
-    side = _side(addr)
-    with _open(rank, n, addr) as comm:
-        _barrier_then_die(comm, side, 1)
-        work = comm.broadcast(np.ones(4, np.float32), root=1, async_op=True)
-        try:
-            work.wait()
-        except GpucollError as exc:
-            return _outcome(exc, side)
 
 
 @pytest.mark.parametrize("transport", TRANSPORTS)
 @pytest.mark.parametrize("n", WORLDS)
 def test_a_root_killed_before_a_small_async_broadcast_fails_its_wait_naming_it_fast(
         store_addr, transport, n):
-    outcomes = spawn(_root_killed_before_small_async_broadcast, n, store_addr,
+    outcomes = spawn(_killed_before_a_small_async_call, n, store_addr, "broadcast",
                      env=_env(transport), check=False)
     assert outcomes[1].exitcode == -signal.SIGKILL
     for o in outcomes[:1] + outcomes[2:]:
