@@ -5,6 +5,7 @@ them cut (every packet from the other host dropped, with iptables). Needs root, 
 
 from __future__ import annotations
 
+import contextlib
 import os
 import pathlib
 import shutil
@@ -29,6 +30,36 @@ def _missing() -> str | None:
 pytestmark = [pytest.mark.slow, pytest.mark.timeout(180),
               pytest.mark.skipif(_missing() is not None,
                                  reason=f"cannot simulate two hosts: {_missing()}")]
+
+@contextlib.contextmanager
+def _two_nodes(tmp_path, script: str, nproc: int, grace: str, **env: str):
+    """A launcher of one job on each simulated host, ``nproc`` ranks each, writing
+    ``node{k}.out`` and ``node{k}.err`` in ``tmp_path``; yields (hosts, launchers) and kills every
+    launcher's process group on the way out."""
+    env = dict(os.environ, GPUCOLL_STORE_TOKEN="shared-secret-for-this-test", TMPDIR=str(tmp_path),
+               **env)
+    with multinode.Hosts() as hosts:
+        port = multinode.free_port()
+        launchers = []
+        try:
+            for k in range(2):
+                argv = [sys.executable, "-m", "gpucoll", "run", "-n", str(nproc), "--nnodes",
+                        "2", "--node-rank", str(k), "--master-addr", hosts.addr[0],
+                        "--master-port", str(port), "--grace", grace, script]
+                with open(tmp_path / f"node{k}.out", "wb") as out, \
+                        open(tmp_path / f"node{k}.err", "wb") as err:
+                    launchers.append(subprocess.Popen(hosts.command(k, argv), env=env,
+                                                      cwd=tmp_path, stdout=out, stderr=err,
+                                                      start_new_session=True))
+            yield hosts, launchers
+        finally:
+            for proc in launchers:
+                try:
+                    os.killpg(proc.pid, signal.SIGKILL)
+                except ProcessLookupError:
+                    pass
+                proc.wait(10)
+
 
 # Each rank all_reduces until a peer is lost (then it fails, code 1).
 ALL_REDUCING = """
@@ -65,39 +96,17 @@ def test_launchers_cut_apart_each_end_within_seconds_naming_the_other_node(tmp_p
     script = write_script(tmp_path, ALL_REDUCING)
     # the ranks name the lost host at their link timeout (5 s here, 15 by default); each
     # launcher must then end within seconds of its ranks
-    env = dict(os.environ, GPUCOLL_STORE_TOKEN="shared-secret-for-this-test", TMPDIR=str(tmp_path),
-               GPUCOLL_LINK_TIMEOUT="5")
-    with multinode.Hosts() as hosts:
-        port = multinode.free_port()
-        outs = [tmp_path / f"node{k}.out" for k in range(2)]
-        errs = [tmp_path / f"node{k}.err" for k in range(2)]
-        launchers = []
-        try:
-            for k in range(2):
-                argv = [sys.executable, "-m", "gpucoll", "run", "-n", "2", "--nnodes", "2",
-                        "--node-rank", str(k), "--master-addr", hosts.addr[0], "--master-port",
-                        str(port), "--grace", "0.5", script]
-                with open(outs[k], "wb") as out, open(errs[k], "wb") as err:
-                    launchers.append(subprocess.Popen(hosts.command(k, argv), env=env,
-                                                      cwd=tmp_path, stdout=out, stderr=err,
-                                                      start_new_session=True))
-            for k in range(2):
-                wait_for(outs[k], "ready", 2, 60)
-            cut(hosts)
-            start = time.monotonic()
-            codes, took = [], []
-            for proc in launchers:
-                codes.append(proc.wait(timeout=60))
-                took.append(time.monotonic() - start)
-        finally:
-            for proc in launchers:
-                try:
-                    os.killpg(proc.pid, signal.SIGKILL)
-                except ProcessLookupError:
-                    pass
-                proc.wait(10)
-        text = [f"{outs[k].read_text(errors='replace')}{errs[k].read_text(errors='replace')}"
-                for k in range(2)]
+    with _two_nodes(tmp_path, script, 2, "0.5", GPUCOLL_LINK_TIMEOUT="5") as (hosts, launchers):
+        for k in range(2):
+            wait_for(tmp_path / f"node{k}.out", "ready", 2, 60)
+        cut(hosts)
+        start = time.monotonic()
+        codes, took = [], []
+        for proc in launchers:
+            codes.append(proc.wait(timeout=60))
+            took.append(time.monotonic() - start)
+    text = [f"{(tmp_path / f'node{k}.out').read_text(errors='replace')}"
+            f"{(tmp_path / f'node{k}.err').read_text(errors='replace')}" for k in range(2)]
     assert codes == [1, 1], text
     assert "gpucoll run: node 1 was lost: its launcher has not been heard from" in text[0], text[0]
     assert "gpucoll run: node 0, which hosts the job's store, was lost" in text[1], text[1]
@@ -132,31 +141,11 @@ LEAVING = """
 
 def test_a_rank_cut_off_from_the_store_leaves_four_communicators_within_a_second(tmp_path):
     script = write_script(tmp_path, LEAVING)
-    env = dict(os.environ, GPUCOLL_STORE_TOKEN="shared-secret-for-this-test", TMPDIR=str(tmp_path))
-    with multinode.Hosts() as hosts:
-        port = multinode.free_port()
-        out = tmp_path / "node1.out"
-        launchers = []
-        try:
-            for k in range(2):
-                argv = [sys.executable, "-m", "gpucoll", "run", "-n", "1", "--nnodes", "2",
-                        "--node-rank", str(k), "--master-addr", hosts.addr[0], "--master-port",
-                        str(port), "--grace", "5", script]
-                with open(tmp_path / f"node{k}.out", "wb") as o, \
-                        open(tmp_path / f"node{k}.err", "wb") as e:
-                    launchers.append(subprocess.Popen(hosts.command(k, argv), env=env,
-                                                      cwd=tmp_path, stdout=o, stderr=e,
-                                                      start_new_session=True))
-            for k in range(2):
-                wait_for(tmp_path / f"node{k}.out", "ready", 1, 60)
-            cut(hosts)
-            wait_for(out, "after the error", 1, 30)
-        finally:
-            for proc in launchers:
-                try:
-                    os.killpg(proc.pid, signal.SIGKILL)
-                except ProcessLookupError:
-                    pass
-                proc.wait(10)
+    out = tmp_path / "node1.out"
+    with _two_nodes(tmp_path, script, 1, "5") as (hosts, _):
+        for k in range(2):
+            wait_for(tmp_path / f"node{k}.out", "ready", 1, 60)
+        cut(hosts)
+        wait_for(out, "after the error", 1, 30)
     seconds = float(out.read_text().split("left ")[1].split()[0])
     assert seconds < 1.0, out.read_text()
