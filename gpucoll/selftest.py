@@ -561,10 +561,16 @@ def _within(text: str, start: float, bound: float, took: float | None = None) ->
     return text
 
 
-def _others_in_call(store: Any, rank: int, n: int) -> None:
-    """Rank 1 waits until every other rank is about to enter its call, and a little more."""
+def _signal_rank_1_in_call(store: Any, rank: int, n: int, sig: int) -> None:
+    """Rank 1 publishes its pid, waits until every other rank is about to enter its call (and a
+    little more), then sends itself ``sig``; every other rank says it is about to enter."""
+    if rank != 1:
+        store.set(IN_CALL.format(rank), "1")
+        return
+    store.set("selftest/pid", str(os.getpid()))
     store.wait([IN_CALL.format(r) for r in range(n) if r != 1], timeout=60)
     time.sleep(0.5)
+    os.kill(os.getpid(), sig)
 
 
 def dead_peer(rank: int, n: int, addr: str, arrays: Any, device: int | None) -> str:
@@ -579,10 +585,7 @@ def dead_peer(rank: int, n: int, addr: str, arrays: Any, device: int | None) -> 
     with comm:
         x = arrays.put(np.ones(1024, np.float32))
         comm.barrier()
-        if rank == 1:
-            _others_in_call(store, rank, n)
-            os.kill(os.getpid(), signal.SIGKILL)
-        store.set(IN_CALL.format(rank), "1")
+        _signal_rank_1_in_call(store, rank, n, signal.SIGKILL)
         start = time.monotonic()
         exc = fails_without_rank_1("an all_reduce", PeerFailure,
                                    lambda: comm.all_reduce(x, async_op=True).synchronize(),
@@ -603,12 +606,9 @@ def stopped_peer(rank: int, n: int, addr: str, arrays: Any, device: int | None) 
     comm = create("nccl", rank=rank, world_size=n, store=addr, timeout=60, device=device)
     x = arrays.put(np.ones(1024, np.float32))
     comm.barrier()
+    _signal_rank_1_in_call(store, rank, n, signal.SIGSTOP)
     if rank == 1:
-        store.set("selftest/pid", str(os.getpid()))
-        _others_in_call(store, rank, n)
-        os.kill(os.getpid(), signal.SIGSTOP)
         return ""  # not reached: rank 0 kills this process
-    store.set(IN_CALL.format(rank), "1")
     start = time.monotonic()
     exc = fails_without_rank_1("an all_reduce", CollectiveTimeout, lambda: comm.all_reduce(
         x, async_op=True, timeout=3).synchronize(), named=True)
@@ -635,10 +635,7 @@ def shrink_after_loss(rank: int, n: int, addr: str, arrays: Any, device: int | N
     comm = create("nccl", rank=rank, world_size=n, store=addr, timeout=60, device=device)
     x = arrays.put(np.ones(1024, np.float32))
     comm.barrier()
-    if rank == 1:
-        _others_in_call(store, rank, n)
-        os.kill(os.getpid(), signal.SIGKILL)
-    store.set(IN_CALL.format(rank), "1")
+    _signal_rank_1_in_call(store, rank, n, signal.SIGKILL)
     fails_without_rank_1("an all_reduce", PeerFailure,
                          lambda: comm.all_reduce(x, async_op=True).synchronize(), named=True)
     sub = comm.shrink(timeout=30)
