@@ -154,7 +154,7 @@ def destroy_process_group(group: Any = None) -> None:
     if group is None or group is GroupMember.WORLD:
         _default.close()
         _members.clear()
-        _close_owned(at_end=True)
+        _close_owned()
     elif isinstance(group, Communicator):
         group.close()
 
@@ -798,13 +798,14 @@ def _device_index(device_id: Any) -> Any:
     return 0 if index is None else index
 
 
-def _close_owned(at_end: bool = False) -> None:
-    """Close the store init_process_group made; ``at_end`` of the group, the rank hosting it
-    lets the others finish with it first (``init_methods.release``)."""
+def _close_owned() -> None:
+    """Close the store init_process_group made; the rank hosting it lets the others finish with
+    it first (``init_methods.release``), also when start-up failed: a rank told of a
+    disagreement must still be able to read it there."""
     global _owned_store
     store, _owned_store = _owned_store, None
     if store is not None:
-        init_methods.release(store) if at_end else store.close()
+        init_methods.release(store)
 
 
 def _list(value: Any, size: int, name: str, fn: str, like: Any = None) -> list:
